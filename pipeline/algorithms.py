@@ -1,0 +1,274 @@
+"""Pure tensor math for RL post-training: PPO (with critic) and GRPO.
+
+Shape letters: B = sequences in the batch, T = response tokens (right-padded), V = vocab.
+A ``mask`` is (B, T), bool or 0/1 float, 1 on real response tokens. Nothing here knows about
+configs, workers or I/O, so every function can be tested on tiny hand-made tensors.
+
+Loss reduction rule (policy_loss, value_loss, kl_loss): the per-token loss is summed over valid
+tokens and divided by ``normalizer`` when given, else by this batch's valid-token count. Passing
+the *global* token count (all micro-batches and data-parallel ranks) as ``normalizer`` makes the
+sum of the per-shard losses, and therefore of their gradients, equal the loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+Normalizer = Optional[Union[float, int, Tensor]]
+
+# exp() of a log-ratio above this overflows float32 soon after; clamping keeps a single stale
+# or badly-sampled token from turning the whole loss into inf/nan (same bound as verl).
+_MAX_LOG_RATIO = 20.0
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """sum(x * mask), over everything or along ``dim``. x, mask: same shape, e.g. (B, T).
+
+    torch.where rather than x*mask so that inf/nan sitting on padding cannot leak (inf*0 = nan).
+    """
+    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """sum(x * mask) / max(sum(mask), 1); an all-padding input gives 0 instead of nan."""
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise x over its valid entries. x, mask: (B, T) -> (B, T).
+
+    mu = masked_mean(x), var = masked_mean((x - mu)^2) (biased, unbiased=False),
+    out = (x - mu) / sqrt(var + eps), plus mu again if ``shift_mean`` is False.
+    Padding is set to 0 so the result can go straight into a masked loss.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log p(token) under softmax(logits / temperature). logits (B, T, V), tokens (B, T) -> (B, T) f32.
+
+    logp = logits[token] / temperature - logsumexp(logits / temperature). Done in float32 because
+    bf16 log-softmax loses ~2 significant digits, which shows up directly in the PPO ratio.
+    The temperature must match the one used for sampling, or ratios are biased from step 0.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    # gather-then-logsumexp avoids materialising a second (B, T, V) log_softmax tensor.
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits). logits (B, T, V) -> (B, T) float32.
+
+    H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v (stable: never takes log of a tiny p).
+    """
+    logits = logits.float()
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
+    """Per-token KL(policy || ref) estimate from sampled-token log-probs. (B, T), (B, T) -> (B, T).
+
+    k1 = logp - ref                      (unbiased, can be negative)
+    k2 = 0.5 * (logp - ref)^2            (biased, low variance)
+    k3 = exp(ref - logp) - (ref - logp) - 1   (Schulman: unbiased and >= 0)
+    """
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        # clamp: exp overflows when ref is far above the policy on some token.
+        d = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"unknown kl kind {kind!r}; expected 'k1', 'k2' or 'k3'")
+
+
+def token_level_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """PPO per-token reward. scores (B,), kl (B, T), mask (B, T) -> (B, T).
+
+    r[b, t] = -kl_coef * kl[b, t] on valid tokens, plus scores[b] at row b's last valid token.
+    Rows with no valid token get all zeros (their score has nowhere to go).
+    """
+    m = mask.bool()
+    rewards = torch.where(m, -kl_coef * kl, torch.zeros_like(kl))
+    t = torch.arange(m.shape[-1], device=m.device)
+    # index of the last valid token; argmax of t*m works for any mask, not only prefixes.
+    last = (t * m).argmax(dim=-1)
+    has_any = m.any(dim=-1)
+    bonus = torch.where(has_any, scores.to(rewards.dtype), torch.zeros_like(scores, dtype=rewards.dtype))
+    return rewards.scatter_add(-1, last.unsqueeze(-1), bonus.unsqueeze(-1))
+
+
+@torch.no_grad()
+def compute_gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation. rewards, values, mask: (B, T) -> (advantages, returns), (B, T).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},
+    with V and A after the last valid token taken as 0 (the episode ends there).
+    returns = A + V. Both outputs are 0 where mask == 0 and carry no grad (they are targets).
+    Masked positions are skipped, not treated as zero-reward steps: the recursion carries the next
+    valid token's V and A across them, so right padding and holes (e.g. tool output) both work.
+    """
+    B, T = rewards.shape
+    m = mask.to(values.dtype)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    next_adv = torch.zeros_like(next_value)
+    advs = []
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        mt = m[:, t]
+        next_value = values[:, t] * mt + next_value * (1 - mt)
+        next_adv = adv * mt + next_adv * (1 - mt)
+        advs.append(adv)
+    advantages = torch.stack(advs[::-1], dim=1)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    advantages = torch.where(mask.bool(), advantages, zero)
+    returns = torch.where(mask.bool(), advantages + values, zero)
+    return advantages, returns
+
+
+@torch.no_grad()
+def grpo_advantages(
+    scores: Tensor, group_size: int, eps: float = 1e-6, scale_by_std: bool = True
+) -> Tensor:
+    """Group-relative advantages. scores (B,), B = n_prompts * group_size, groups contiguous -> (B,).
+
+    A_i = (r_i - mean(group)) / (std(group) + eps), std unbiased (N-1) as in the GRPO paper / TRL;
+    with scale_by_std=False, A_i = r_i - mean(group) (Dr. GRPO). A group of one has no baseline,
+    so its advantage is 0 (the unbiased std of one sample is nan).
+    """
+    B = scores.shape[0]
+    if group_size < 1 or B % group_size != 0:
+        raise ValueError(
+            f"batch of {B} scores is not a whole number of groups of group_size={group_size}"
+        )
+    r = (scores if scores.is_floating_point() else scores.float()).view(-1, group_size)
+    if group_size == 1:
+        return torch.zeros_like(r).view(B)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.view(B)
+
+
+@torch.no_grad()
+def importance_weights(
+    proximal_logp: Tensor, behavior_logp: Tensor, mask: Tensor, cap: Optional[float]
+) -> Tensor:
+    """Truncated importance weights for decoupled PPO (AReaL). (B, T) each -> (B, T), no grad.
+
+    w = min(exp(proximal - behavior), cap), 0 on padding. ``behavior`` is the (possibly stale)
+    policy that generated the tokens, ``proximal`` the policy the PPO clip is centred on.
+    Truncating at ``cap`` bounds the variance that very off-policy tokens would add.
+    cap=None disables truncation.
+    """
+    log_w = (proximal_logp - behavior_logp).clamp(max=_MAX_LOG_RATIO)
+    w = torch.exp(log_w)
+    if cap is not None:
+        w = w.clamp(max=cap)
+    return torch.where(mask.bool(), w, torch.zeros_like(w))
+
+
+def _reduce(per_token: Tensor, mask: Tensor, normalizer: Normalizer) -> Tensor:
+    """sum over valid tokens / (normalizer or this batch's valid-token count)."""
+    total = masked_sum(per_token, mask)
+    if normalizer is None:
+        return total / mask.to(total.dtype).sum().clamp(min=1)
+    if not isinstance(normalizer, Tensor) and normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    return total / normalizer
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_ratio: float,
+    normalizer: Normalizer = None,
+    is_weights: Optional[Tensor] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate. logp, old_logp, advantages, mask, is_weights: (B, T) -> (scalar, stats).
+
+    ratio = exp(logp - old_logp)
+    loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)  [* is_weights_t]
+    For decoupled PPO pass old_logp = proximal log-probs and
+    is_weights = importance_weights(proximal, behavior, mask, cap).
+    stats (detached): clip_frac = share of valid tokens where the clipped term was the active one,
+    approx_kl = masked_mean(0.5 * (logp - old_logp)^2).
+    """
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    # max of the negated terms == -min of the surrogate terms.
+    per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    loss = _reduce(per_token, mask, normalizer)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask),
+            "approx_kl": masked_mean(0.5 * log_ratio.float() ** 2, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_range: float,
+    normalizer: Normalizer = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped critic loss. values, old_values, returns, mask: (B, T) -> (scalar, stats).
+
+    v_clip = old + clip(v - old, -c, c);  loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2).
+    The max keeps the critic from moving further than c from its rollout-time estimate in the
+    direction that helps. stats (detached): value_clip_frac = share of valid tokens where the
+    clipped term was the larger one.
+    """
+    old_values = old_values.detach()
+    returns = returns.detach()
+    v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (v_clip - returns) ** 2
+    per_token = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+    loss = _reduce(per_token, mask, normalizer)
+    with torch.no_grad():
+        stats = {"value_clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask)}
+    return loss, stats
+
+
+def kl_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    kind: str = "k3",
+    normalizer: Normalizer = None,
+) -> Tensor:
+    """GRPO's in-loss KL to the reference policy. logp, ref_logp, mask: (B, T) -> scalar.
+
+    loss = sum_valid kl_penalty(logp, ref_logp, kind) / (normalizer or valid-token count).
+    Gradient flows through logp only; the reference is a fixed anchor.
+    """
+    return _reduce(kl_penalty(logp, ref_logp.detach(), kind), mask, normalizer)

@@ -1,0 +1,73 @@
+"""`dask-rl run FILE` trains from a run file; `dask-rl worker` joins a running training."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dask-rl", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="train from a run file (resources + train section)")
+    run.add_argument("file", help="run file, e.g. examples/quickstart.yaml")
+    run.add_argument("--steps", type=int, help="override train.steps")
+    run.add_argument("--output-dir", help="where models, snapshots and the metrics log go")
+    run.add_argument("--dashboard-address", default=":8787")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "run":
+        return run_file(args.file, steps=args.steps, output_dir=args.output_dir,
+                        dashboard_address=args.dashboard_address)
+    return 2
+
+
+def run_file(path: str, *, steps: int | None = None, output_dir: str | None = None,
+             dashboard_address: str = ":8787") -> int:
+    """Train as the run file says; print how the reward moved."""
+    import json
+    import tempfile
+
+    from pipeline.config import load_run_file
+    from pipeline.models import create_tiny_model
+    from pipeline.rewards import resolve_reward_function
+    from pipeline.trainer import HybridTrainer
+
+    run = load_run_file(path)
+    inputs = dict(run.inputs)
+    out = Path(output_dir or inputs.get("output_dir") or tempfile.mkdtemp(prefix="dask-rl-run-"))
+    out.mkdir(parents=True, exist_ok=True)
+    actor_model = inputs.get("actor_model", "tiny")
+    if actor_model == "tiny":  # the quickstart's local model: no hub needed
+        actor_model = str(create_tiny_model(out / "tiny-model", seed=run.train.seed))
+    if "reward_function" in inputs:
+        reward_model = resolve_reward_function(inputs["reward_function"])
+    elif "reward_model" in inputs:
+        reward_model = inputs["reward_model"]
+    else:
+        print(f"{path}: train: set reward_function (module:function) or reward_model (a path)", file=sys.stderr)
+        return 2
+    train = {k: v for k, v in vars(run.train).items() if k != "algorithm"}
+    if steps:
+        train["steps"] = steps
+    with HybridTrainer(actor_model, reward_model, run.resources, algorithm=run.train.algorithm,
+                       prompts=inputs.get("prompts"), critic_model=inputs.get("critic_model"),
+                       reference_model=inputs.get("reference_model"), output_dir=str(out),
+                       dashboard_address=dashboard_address, **train) as trainer:
+        history = trainer.train()
+    with open(out / "metrics.jsonl", "w") as log:
+        for record in history:
+            log.write(json.dumps({"step": record.step, "reward": record.reward_mean, "kl": record.kl_mean,
+                                  "tokens_per_second": record.tokens_per_second, **record.losses}) + "\n")
+    window = max(1, len(history) // 5)
+    first = sum(r.reward_mean for r in history[:window]) / window
+    last = sum(r.reward_mean for r in history[-window:]) / window
+    print(f"dask-rl: mean reward of the first {window} steps {first:.3f}, of the last {window} steps {last:.3f}; "
+          f"metrics in {out / 'metrics.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The training section of a run file (`train:`) and the run file as a whole.
+
+The resource part of the file is validated by `resources.config`; this module reads the
+`train:` section into a strict, typed `TrainConfig` (unknown keys and wrong types are
+errors that name the key and the fix) plus the run's inputs (models, reward, prompts).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from resources.config import ResourceConfig, parse_resource_config
+
+
+class TrainConfigError(ValueError):
+    """A bad `train:` key or trainer argument; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of a run. Every field can be given to HybridTrainer as a keyword."""
+
+    algorithm: str = "ppo"            # "ppo" (critic + GAE) or "grpo" (group-normalised, no critic)
+    steps: int = 20                   # policy updates to run
+    prompts_per_step: int = 16        # prompts drawn per step
+    samples_per_prompt: int = 1       # responses sampled per prompt (the GRPO group size, >= 2 there)
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    actor_lr: float = 1e-4
+    critic_lr: float = 1e-4
+    kl_coef: float = 0.05             # PPO: per-token reward penalty; GRPO: weight of the KL loss
+    clip_ratio: float = 0.2
+    value_clip: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    ppo_epochs: int = 1
+    mini_batches: int = 1             # optimizer steps per epoch
+    micro_batch_size: int = 16        # rows per forward/backward (gradients accumulate)
+    is_cap: float = 2.0               # truncation of the behaviour-policy importance weight
+    max_staleness: int = 0            # 0 = on-policy; N = rollouts may be N versions old
+    whiten_advantages: bool = True
+    grad_clip: float = 1.0
+    seed: int = 0
+    prompt_column: str = "prompt"     # column holding the prompt text in JSONL/Parquet/datasets
+    dtype: str = "float32"            # model dtype on the workers (bfloat16 on GPUs)
+    log_every: int = 1
+
+    def __post_init__(self):
+        checks = {
+            "algorithm": (self.algorithm in ("ppo", "grpo"), "use ppo or grpo"),
+            "steps": (self.steps >= 1, "use a positive number"),
+            "prompts_per_step": (self.prompts_per_step >= 1, "use a positive number"),
+            "samples_per_prompt": (self.samples_per_prompt >= (2 if self.algorithm == "grpo" else 1),
+                                   "GRPO compares responses to one prompt: use 2 or more"),
+            "max_staleness": (self.max_staleness >= 0, "use 0 (on-policy) or a positive number of versions"),
+            "micro_batch_size": (self.micro_batch_size >= 1, "use a positive number"),
+            "mini_batches": (self.mini_batches >= 1, "use a positive number"),
+            "dtype": (self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16"),
+        }
+        for key, (ok, fix) in checks.items():
+            if not ok:
+                raise TrainConfigError(f"train.{key}: {getattr(self, key)!r} is not allowed. Fix: {fix}.")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
+# Run inputs that may sit in the `train:` section of a run file besides the hyperparameters.
+INPUT_KEYS = ("actor_model", "reward_model", "reward_function", "critic_model", "reference_model",
+              "prompts", "output_dir")
+
+
+def make_train_config(values: Mapping[str, Any], *, source: str = "trainer arguments",
+                      base: TrainConfig | None = None) -> TrainConfig:
+    """A TrainConfig from `values`, type-checked key by key."""
+    checked = {}
+    for key, value in values.items():
+        if key not in TRAIN_FIELDS:
+            close = difflib.get_close_matches(key, list(TRAIN_FIELDS) + list(INPUT_KEYS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise TrainConfigError(f"{source}: unknown training key {key!r}.{hint} "
+                                   f"Fix: use one of {', '.join(TRAIN_FIELDS)}.")
+        checked[key] = _coerce(key, value, TRAIN_FIELDS[key].type, source)
+    return replace(base or TrainConfig(), **checked)
+
+
+def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
+    expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
+    if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
+        raise TrainConfigError(f"{source}: train.{key}: {value!r} should be a {type_name}. "
+                               f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}.")
+    return float(value) if type_name == "float" else value
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """A whole run file: the resource contract, the training section and the run inputs."""
+
+    resources: ResourceConfig
+    train: TrainConfig
+    inputs: Mapping[str, Any]   # actor_model, reward_function, prompts, ... (paths made absolute)
+
+
+def load_run_file(path: str | os.PathLike) -> RunFile:
+    """Read a run file such as examples/quickstart.yaml (resources at the top, `train:` below)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"run file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    resources = parse_resource_config(data, source=str(path))
+    section = dict(data.get("train") or {})
+    inputs = {key: section.pop(key) for key in INPUT_KEYS if key in section}
+    for key in ("prompts", "output_dir", "actor_model", "reward_model", "critic_model", "reference_model"):
+        value = inputs.get(key)
+        # Relative paths in a run file are relative to the file, like any include.
+        if isinstance(value, str) and value not in ("tiny",) and (path.parent / value).exists():
+            inputs[key] = str((path.parent / value).resolve())
+    return RunFile(resources, make_train_config(section, source=f"{path}: train"), inputs)

@@ -1,0 +1,68 @@
+"""Generation with transformers' `generate`: the engine for CPU and for small GPU runs."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.algorithms import logprobs_from_logits
+from pipeline.records import GenerationRequest, Rollout
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> (B, P) ids and attention mask, left-padded so every response starts at P."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def response_mask_until_eos(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, R) ids -> (B, R) float mask: 1 up to and including the first EOS, 0 after it."""
+    is_eos = (responses == eos_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # how many EOS strictly precede each position
+    return (eos_before == 0).float()
+
+
+class HFEngine:
+    """Samples with plain `model.generate`, returning the sampled tokens' logprobs."""
+
+    def __init__(self, model, *, pad_id: int, eos_id: int, device: str):
+        self.model = model.eval()
+        self.pad_id = pad_id
+        self.eos_id = eos_id
+        self.device = device
+
+    @torch.no_grad()
+    def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
+        prompts = [p for p in request.prompt_ids for _ in range(request.samples_per_prompt)]
+        groups = [g for g in request.group_ids for _ in range(request.samples_per_prompt)]
+        ids, mask = left_pad(prompts, self.pad_id)
+        torch.manual_seed(request.seed)
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            do_sample=True, temperature=request.temperature, top_k=0, top_p=1.0,
+            max_new_tokens=request.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            output_logits=True, return_dict_in_generate=True,
+        )
+        responses = out.sequences[:, ids.shape[1]:].cpu()
+        # Raw logits (before sampling processors) scaled by the temperature: the same
+        # distribution the actor's loss evaluates, so ratios start at 1 on-policy.
+        logits = torch.stack(out.logits, dim=1).float().cpu()
+        logprobs = logprobs_from_logits(logits, responses, request.temperature)
+        response_mask = response_mask_until_eos(responses, self.eos_id)
+        return Rollout(
+            input_ids=torch.cat([ids, responses], dim=1),
+            attention_mask=torch.cat([mask, response_mask.long()], dim=1),
+            response_mask=response_mask,
+            behavior_logprobs=logprobs * response_mask,
+            group_ids=torch.tensor(groups, dtype=torch.long),
+            policy_version=policy_version,
+            prompt_length=ids.shape[1],
+        )
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=False)

@@ -1,0 +1,47 @@
+"""Per-step timing and the step record that the progress bar, logs and dashboard show."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+class PhaseTimer:
+    """`with timer("generate"): ...` records wall seconds per named phase."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class StepRecord:
+    """What one training step did."""
+
+    step: int
+    policy_version: int               # version after this step's update
+    reward_mean: float
+    kl_mean: float                    # mean per-token log pi_behavior - log pi_ref
+    response_length: float            # mean generated tokens per sample
+    tokens: int                       # generated tokens trained on
+    seconds: float
+    staleness: float                  # mean (current version - generating version) of the batch
+    losses: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def summary(self) -> dict[str, str]:
+        """The progress bar's postfix."""
+        return {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
+                "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}

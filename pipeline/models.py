@@ -1,0 +1,131 @@
+"""Model and tokenizer loading, the critic's value head, and the tiny local models used
+by the quickstart and the tests (no hub is needed for either)."""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# The quickstart's character tokenizer: every character is one token, so a person can read
+# what the policy writes and a reward on characters is easy to check by eye.
+TINY_CHARS = string.ascii_lowercase + string.digits + " .,?!:+-="
+TINY_SPECIALS = ("<pad>", "<eos>")
+
+
+def build_char_tokenizer():
+    """A fast tokenizer with one token per character of TINY_CHARS (pad=0, eos=1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + tuple(TINY_CHARS))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def create_tiny_model(directory: str | os.PathLike, *, hidden_size: int = 64, layers: int = 2,
+                      heads: int = 2, seed: int = 0) -> Path:
+    """Write a randomly initialised Qwen2-architecture causal LM and its character tokenizer
+    to `directory` and return the path. The defaults train in minutes on two CPU cores."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    path = Path(directory)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load a tokenizer saved beside a model.
+
+    transformers 5 picks the tokenizer class from the model type, so a generic tokenizer
+    saved beside a Qwen2 config would come back as Qwen2Tokenizer and encode wrongly. When
+    the saved class is the generic fast backend, load tokenizer.json directly instead.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(path) / "tokenizer_config.json"
+    if config_file.exists():
+        saved = json.loads(config_file.read_text()).get("tokenizer_class")
+        if saved in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(path) / "tokenizer.json"))
+            special = json.loads(config_file.read_text())
+            tokenizer.pad_token = special.get("pad_token") or special.get("eos_token")
+            tokenizer.eos_token = special.get("eos_token")
+            return tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device)
+
+
+def materialize(model_or_path, directory: str | os.PathLike, tokenizer=None) -> str:
+    """Return a local directory holding the model (and tokenizer), so workers can load it.
+
+    A path or hub id is returned as is; an already-built transformers model object is
+    saved into `directory` once, since models must not travel through the scheduler.
+    """
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return str(model_or_path)
+    if not hasattr(model_or_path, "save_pretrained"):
+        raise TypeError(f"expected a model path, hub id or transformers model, got {type(model_or_path).__name__}")
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    model_or_path.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+class ValueModel(nn.Module):
+    """The critic: a causal LM's transformer body with a scalar head on every position.
+
+    Initialised from the policy's weights (the usual PPO choice: the critic starts from a
+    model that already reads the text) with a zero head, so initial values are 0.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_pretrained(path, dtype=dtype)
+        self.head = nn.Linear(self.body.config.hidden_size, 1, dtype=dtype)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids and mask -> (B, L) values, one per position."""
+        from pipeline.roles.forward import position_ids
+
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids(attention_mask)).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+def load_sequence_scorer(path: str | os.PathLike, *, device: str = "cpu"):
+    """A reward model: a sequence-classification model with one output per sequence."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    return model.to(device).eval()

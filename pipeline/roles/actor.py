@@ -1,0 +1,89 @@
+"""The actor role: the policy being trained, one rank per actor worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline import weights
+from pipeline.algorithms import importance_weights, kl_loss, policy_loss
+from pipeline.records import Experience
+from pipeline.roles.forward import response_logprobs, row_chunks
+from pipeline.roles.host import role_state
+from pipeline.roles.training import GroupInfo, Trainable
+
+
+@dataclass(frozen=True)
+class PolicyStep:
+    """Hyperparameters of one policy update, passed as plain values."""
+
+    clip_ratio: float
+    kl_coef_in_loss: float           # GRPO puts KL in the loss; PPO puts it in the reward (0 here)
+    temperature: float
+    micro_batch_size: int
+    epochs: int
+    is_cap: float                    # truncation of the behaviour->proximal importance weight
+    normalizers: tuple[float, ...]   # global valid-token count of each mini-batch
+    next_version: int                # the version the updated weights are published as
+    snapshot_dir: str
+
+
+class ActorRole:
+    def __init__(self, model_dir: str, *, device: str, lr: float, strategy: str,
+                 grad_clip: float = 1.0, dtype: str = "float32"):
+        from pipeline.models import load_causal_lm
+
+        model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype))
+        self.trainer = Trainable(model, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
+        self.device = device
+
+    def update(self, mini_batches: list[Experience], group: GroupInfo,
+               step: PolicyStep) -> tuple[dict[str, float], weights.WeightHandle | None]:
+        """Decoupled PPO on this rank's rows; rank 0 then publishes the new weights."""
+        self.trainer.join(group)
+        # The proximal policy is the one before this update (the "old" policy of PPO's
+        # clip); the rollout's own logprobs (the behaviour policy) enter through the
+        # truncated importance weight, which corrects for staleness.
+        proximal = [self._logprobs(batch, step) for batch in mini_batches]
+        totals: dict[str, float] = {}
+        for _ in range(step.epochs):
+            for batch, prox, normalizer in zip(mini_batches, proximal, step.normalizers):
+                rows = row_chunks(len(batch), step.micro_batch_size)
+                chunks = [(batch.select(torch.arange(len(batch))[r]), prox[r]) for r in rows]
+                stats = self.trainer.optimizer_step(chunks, lambda model, c: self._loss(model, c, step, normalizer))
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+        state = self.trainer.full_state_dict()   # collective under FSDP: every rank calls it
+        handle = weights.publish(state, step.next_version, step.snapshot_dir) if state is not None else None
+        return totals, handle
+
+    @torch.no_grad()
+    def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
+        model = self.trainer.model.eval()
+        parts = [response_logprobs(model, batch.input_ids[r].to(self.device), batch.attention_mask[r].to(self.device),
+                                   batch.prompt_length, step.temperature).float()
+                 for r in row_chunks(len(batch), step.micro_batch_size)]
+        return torch.cat(parts)
+
+    def _loss(self, model, chunk, step: PolicyStep, normalizer: float):
+        batch, proximal = chunk
+        mask = batch.response_mask.to(self.device)
+        logp = response_logprobs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                                 batch.prompt_length, step.temperature)
+        is_weights = importance_weights(proximal, batch.behavior_logprobs.to(self.device), mask, step.is_cap)
+        loss, stats = policy_loss(logp, proximal, batch.advantages.to(self.device), mask, step.clip_ratio,
+                                  normalizer=normalizer, is_weights=is_weights)
+        if step.kl_coef_in_loss:
+            loss = loss + step.kl_coef_in_loss * kl_loss(logp, batch.ref_logprobs.to(self.device), mask,
+                                                         normalizer=normalizer)
+        tokens = float(mask.sum())
+        # Token-weighted sums; the driver divides by the step's token count.
+        return loss, {"policy_loss": float(loss), "clip_tokens": float(stats["clip_frac"]) * tokens,
+                      "tokens": tokens, "is_weight_sum": float((is_weights * mask).sum())}
+
+
+def update(mini_batches: list[Experience], group: GroupInfo,
+           step: PolicyStep) -> tuple[dict[str, float], weights.WeightHandle | None]:
+    """Task: one rank's part of a policy update."""
+    return role_state("actor").update(mini_batches, group, step)

@@ -1,0 +1,69 @@
+"""The critic role (PPO only): values for GAE, and its own clipped value-loss update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.algorithms import value_loss
+from pipeline.records import Experience, Rollout
+from pipeline.roles.forward import response_values, row_chunks
+from pipeline.roles.host import role_state
+from pipeline.roles.training import GroupInfo, Trainable
+
+
+@dataclass(frozen=True)
+class CriticStep:
+    """Hyperparameters of one critic update, passed as plain values."""
+
+    clip_range: float
+    micro_batch_size: int
+    epochs: int
+    normalizers: tuple[float, ...]   # global valid-token count of each mini-batch
+
+
+class CriticRole:
+    def __init__(self, model_dir: str, *, device: str, lr: float, strategy: str, grad_clip: float = 1.0):
+        from pipeline.models import ValueModel
+
+        self.trainer = Trainable(ValueModel(model_dir), lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
+        self.device = device
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+        """(B, R) V(s_t) for each response token, 0 on padding."""
+        model = self.trainer.model.eval()
+        parts = [response_values(model, rollout.input_ids[rows].to(self.device),
+                                 rollout.attention_mask[rows].to(self.device), rollout.prompt_length).float().cpu()
+                 for rows in row_chunks(len(rollout), micro_batch_size)]
+        return torch.cat(parts) * rollout.response_mask
+
+    def update(self, mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -> dict[str, float]:
+        self.trainer.join(group)
+        totals: dict[str, float] = {}
+        for _ in range(step.epochs):
+            for batch, normalizer in zip(mini_batches, step.normalizers):
+                chunks = [batch.select(torch.arange(len(batch))[rows]) for rows in row_chunks(len(batch), step.micro_batch_size)]
+                stats = self.trainer.optimizer_step(chunks, lambda model, b: self._loss(model, b, step, normalizer))
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def _loss(self, model, batch: Experience, step: CriticStep, normalizer: float):
+        to = lambda t: t.to(self.device)  # noqa: E731
+        values = response_values(model, to(batch.input_ids), to(batch.attention_mask), batch.prompt_length)
+        loss, stats = value_loss(values, to(batch.old_values), to(batch.returns), to(batch.response_mask),
+                                 step.clip_range, normalizer=normalizer)
+        tokens = float(batch.response_mask.sum())
+        return loss, {"value_loss": float(loss), "value_clip_tokens": float(stats["value_clip_frac"]) * tokens}
+
+
+def values(rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+    """Task: (B, R) critic values for one rollout shard."""
+    return role_state("critic").values(rollout, micro_batch_size)
+
+
+def update(mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -> dict[str, float]:
+    """Task: one rank's part of a critic update."""
+    return role_state("critic").update(mini_batches, group, step)

@@ -1,0 +1,95 @@
+"""Keep a role's model alive on its workers across tasks.
+
+One `RoleHost` WorkerPlugin is registered per role. Dask hands every plugin to every
+worker, including workers that join later, so a worker added to a role loads the model
+by itself. Each worker builds the state only for the role resource it carries; tasks then
+find it with `role_state(role)`. Plugins, unlike Dask actors, survive retirement logic,
+leave tasks visible on the dashboard and let a lost task be recomputed elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+from distributed import get_worker
+from distributed.diagnostics.plugin import WorkerPlugin
+
+logger = logging.getLogger("dask_rl")
+
+
+def plugin_name(role: str) -> str:
+    return f"dask-rl-{role}"
+
+
+class RoleHost(WorkerPlugin):
+    """Builds `build()` once on each worker that carries the `role` resource."""
+
+    def __init__(self, role: str, build: Callable[[], Any], torch_threads: int | None = None):
+        self.role = role
+        self.build = build
+        self.torch_threads = torch_threads
+        self.state: Any = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+
+    def __getstate__(self):
+        # Events and loaded models stay on their worker; only the recipe travels.
+        return {"role": self.role, "build": self.build, "torch_threads": self.torch_threads}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    async def setup(self, worker) -> None:
+        if self.role not in worker.state.total_resources:
+            return
+        # Load off the event loop so heartbeats keep flowing while a large model loads;
+        # the worker takes no task before every plugin's setup has returned.
+        try:
+            self.state = await asyncio.to_thread(self._build)
+        except BaseException as error:  # reported by the first task rather than killing the worker
+            logger.exception("dask-rl: %s worker %s failed to load its model", self.role, worker.name)
+            self.error = error
+        finally:
+            self.ready.set()
+
+    def _build(self):
+        import torch
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        return self.build()
+
+    def teardown(self, worker) -> None:
+        close = getattr(self.state, "close", None)
+        if callable(close):
+            close()
+        self.state = None
+
+
+def role_state(role: str) -> Any:
+    """The role object that lives on the worker running the current task."""
+    worker = get_worker()
+    plugin = worker.plugins.get(plugin_name(role))
+    if plugin is None or role not in worker.state.total_resources:
+        raise RuntimeError(
+            f"a {role} task ran on worker {worker.name} ({worker.address}), which does not hold the "
+            f"{role} model; every {role} task must request resources={{'{role}': 1}}"
+        )
+    plugin.ready.wait()
+    if plugin.error is not None:
+        raise RuntimeError(f"{role} worker {worker.name} could not load its model: {plugin.error!r}") from plugin.error
+    return plugin.state
+
+
+def worker_identity() -> dict[str, Any]:
+    """Where the current task runs: for reports and for tests that check placement."""
+    worker = get_worker()
+    return {
+        "name": worker.name, "address": worker.address, "pid": os.getpid(),
+        "resources": dict(worker.state.total_resources),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }

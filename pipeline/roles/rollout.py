@@ -1,0 +1,52 @@
+"""The rollout role: generates responses with the newest policy weights it was handed."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline import weights
+from pipeline.records import GenerationRequest, Rollout
+from pipeline.roles.host import role_state
+
+
+class RolloutRole:
+    """Lives on a rollout worker: an engine plus the policy version it currently holds."""
+
+    def __init__(self, model_dir: str, *, device: str, engine: str = "hf", dtype: str = "float32",
+                 engine_args: dict | None = None):
+        from pipeline.models import load_causal_lm, load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+        if engine == "vllm":
+            from pipeline.engines.vllm import VLLMEngine
+
+            self.engine = VLLMEngine(model_dir, pad_id=tokenizer.pad_token_id,
+                                     eos_id=tokenizer.eos_token_id, dtype=dtype, **(engine_args or {}))
+        else:
+            from pipeline.engines.hf import HFEngine
+
+            model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype))
+            self.engine = HFEngine(model, pad_id=tokenizer.pad_token_id,
+                                   eos_id=tokenizer.eos_token_id, device=device)
+        self.version = 0  # the weights in model_dir are version 0
+
+    def sync(self, handle: weights.WeightHandle | None, snapshot: bytes | None = None) -> None:
+        """Load `handle`'s weights unless this worker already holds that version."""
+        if handle is None or handle.version == self.version:
+            return
+        state = weights.load_snapshot_bytes(snapshot) if snapshot is not None else weights.load_snapshot(handle)
+        self.engine.load_state_dict(state)
+        self.version = handle.version
+
+
+def generate(request: GenerationRequest, handle: weights.WeightHandle | None,
+             snapshot: bytes | None = None) -> Rollout:
+    """Task: sample `request` with the policy of version `handle.version`."""
+    role = role_state("rollout")
+    role.sync(handle, snapshot)
+    return role.engine.generate(request, role.version)
+
+
+def policy_version() -> int:
+    """Task: the version this rollout worker holds (for tests and reports)."""
+    return role_state("rollout").version

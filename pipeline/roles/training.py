@@ -1,0 +1,144 @@
+"""What the two trainable roles (actor, critic) share: a torch.distributed group across the
+role's workers, the data-parallel strategy, and gradient accumulation over micro-batches.
+
+Ranks sum their gradients: every loss is divided by the *global* token count of its
+mini-batch (computed by the driver), so the summed gradient is exactly the one-rank
+gradient of the whole mini-batch, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger("dask_rl")
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One rank's place in the role's process group for one update."""
+
+    rank: int
+    world_size: int
+    init_method: str         # "tcp://host:port" of rank 0
+    backend: str             # "gloo" on CPU, "nccl" on GPU
+    generation: int          # changes whenever the role's membership changes: rebuild then
+    timeout_seconds: float
+
+
+class Trainable:
+    """A model, its optimizer and its data-parallel group on one worker."""
+
+    def __init__(self, model: nn.Module, *, lr: float, strategy: str, device: str,
+                 grad_clip: float = 1.0, weight_decay: float = 0.0):
+        self.model = model.to(device)
+        self.device = device
+        self.strategy = strategy
+        self.grad_clip = grad_clip
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.group: GroupInfo | None = None
+        self.optimizer = self._make_optimizer()
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+    # -- process group -------------------------------------------------------------------
+    def join(self, group: GroupInfo) -> None:
+        """Make sure this worker is rank `group.rank` of the current group generation."""
+        if self.group is not None and self.group.generation == group.generation:
+            return
+        if self.group is not None and self.group.world_size > 1:
+            raise RuntimeError("resizing a live process group is done by the elastic path, not join()")
+        self.group = group
+        if group.world_size == 1:
+            return
+        dist.init_process_group(
+            group.backend, init_method=group.init_method, rank=group.rank,
+            world_size=group.world_size, timeout=timedelta(seconds=group.timeout_seconds),
+        )
+        if self.strategy == "fsdp":
+            self._shard()
+        else:  # ddp: every rank starts from rank 0's parameters, then gradients are summed
+            for param in self.model.parameters():
+                dist.broadcast(param.data, src=0)
+        logger.info("dask-rl: joined group generation %d as rank %d/%d (%s, %s)", group.generation,
+                    group.rank, group.world_size, group.backend, self.strategy)
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        # Shard each transformer block, then the rest, so a block's parameters are gathered
+        # only while that block runs.
+        for module in self.model.modules():
+            if type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module)
+        fully_shard(self.model)
+        self.optimizer = self._make_optimizer()
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else self.group.world_size
+
+    # -- one optimizer step ----------------------------------------------------------------
+    def optimizer_step(self, micro_batches: Iterable[Any],
+                       loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
+        """Accumulate gradients of `loss_fn` over `micro_batches`, reduce across ranks, step.
+
+        `loss_fn` must already divide by the global token count (see module docstring).
+        Returns the summed stats of the micro-batches plus the gradient norm.
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for batch in micro_batches:
+            loss, stats = loss_fn(self.model, batch)
+            # FSDP averages gradients over ranks; scale so that it sums them like DDP here.
+            (loss * self.world_size if self._fsdp_active else loss).backward()
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        if self.world_size > 1 and not self._fsdp_active:
+            self._all_reduce_grads()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        totals["grad_norm"] = float(norm)
+        return totals
+
+    @property
+    def _fsdp_active(self) -> bool:
+        return self.strategy == "fsdp" and self.world_size > 1
+
+    def _all_reduce_grads(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full (unsharded) CPU state dict on rank 0; None on other ranks.
+
+        Collective under FSDP: every rank must call it.
+        """
+        if self._fsdp_active:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(self.model, options=options)
+            return state if self.group.rank == 0 else None
+        if self.group is not None and self.group.rank != 0:
+            return None
+        return {name: tensor.detach().to("cpu") for name, tensor in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,298 @@
+"""HybridTrainer: the driver. It submits role tasks as Dask futures and never touches a GPU."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline import weights
+from pipeline.config import TrainConfig, make_train_config
+from pipeline.data import PromptStream, encode_prompts, read_prompts
+from pipeline.experience import build_experience
+from pipeline.metrics import PhaseTimer, StepRecord
+from pipeline.models import load_tokenizer, materialize
+from pipeline.records import GenerationRequest, concat_rollouts, rank_shards
+from pipeline.roles import actor, critic, reference, reward, rollout
+from pipeline.roles.host import RoleHost, plugin_name
+from pipeline.roles.training import GroupInfo
+from pipeline.tasks import submit, wait_role
+from resources.cluster import RoleCluster
+from resources.config import ResourceConfig
+from resources.plan import plan_workers
+
+logger = logging.getLogger("dask_rl")
+
+
+@dataclass
+class InFlightBatch:
+    """One step's data while it is being generated and scored: futures, one per shard."""
+
+    index: int
+    version: int              # policy version the rollouts are generated with
+    rollouts: list
+    scores: list
+    ref_logprobs: list
+    values: list              # empty for GRPO
+
+
+class HybridTrainer:
+    """Trains `actor_model` with PPO or GRPO on role-tagged Dask workers.
+
+    Args:
+        actor_model: local path, hub id or a transformers model object (the policy).
+        reward_model: a function (prompt, response) -> float, or a sequence-classification
+            reward model (path, hub id or object).
+        config: the ResourceConfig saying which devices each role uses.
+        algorithm: "ppo" or "grpo".
+        prompts: list of strings, .jsonl/.parquet path, or a datasets.Dataset.
+        critic_model / reference_model: default to the actor's initial weights.
+        tokenizer: the policy's tokenizer, if it is not saved beside `actor_model`.
+        cluster: an existing RoleCluster to run on (tests share one); else one is started.
+        **train: any TrainConfig field (steps=..., prompts_per_step=..., ...).
+    """
+
+    def __init__(self, actor_model: Any, reward_model: Any, config: ResourceConfig,
+                 algorithm: str = "ppo", prompts: Any = None, *, critic_model: Any = None,
+                 reference_model: Any = None, tokenizer: Any = None, output_dir: str | None = None,
+                 cluster: RoleCluster | None = None, dashboard_address: str = ":8787",
+                 show_progress: bool = True, **train: Any):
+        self.train_config: TrainConfig = make_train_config({"algorithm": algorithm, **train})
+        self.resources = config
+        self.output_dir = Path(output_dir or tempfile.mkdtemp(prefix="dask-rl-"))
+        self.run_id = f"{int(time.time())}-{id(self) % 10_000}"
+        self.snapshot_dir = str(weights.default_snapshot_dir(self.run_id))
+        self.actor_dir = materialize(actor_model, self.output_dir / "actor-init", tokenizer)
+        self.tokenizer = tokenizer or load_tokenizer(self.actor_dir)
+        if prompts is None:
+            raise ValueError("prompts: give a list of strings, a .jsonl/.parquet path or a datasets.Dataset")
+        texts = read_prompts(prompts, self.train_config.prompt_column)
+        self.prompts = PromptStream(encode_prompts(self.tokenizer, texts), seed=self.train_config.seed)
+        self.show_progress = show_progress
+        self.history: list[StepRecord] = []
+        self.weights: weights.WeightHandle | None = None   # None: the initial weights (version 0)
+        self.version = 0
+        self._pending: deque[InFlightBatch] = deque()
+        self._batches_submitted = 0
+        self._groups: dict[str, tuple[tuple[str, ...], int, str]] = {}
+        roles = self._roles()
+        workers = [w for w in plan_workers(config) if w.role in roles]
+        self.cluster = cluster or RoleCluster(workers, dashboard_address=dashboard_address)
+        self.client = self.cluster.client
+        self._register_roles(roles, reward_model, critic_model, reference_model)
+        print(f"dask-rl: dashboard at {self.cluster.dashboard_link}", flush=True)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _roles(self) -> tuple[str, ...]:
+        base = ("rollout", "reward", "reference", "actor")
+        return base + ("critic",) if self.train_config.algorithm == "ppo" else base
+
+    def _device(self, role: str) -> str:
+        return "cuda" if self.resources.role(role).device_type == "cuda" else "cpu"
+
+    def _register_roles(self, roles, reward_model, critic_model, reference_model) -> None:
+        """One RoleHost plugin per role: workers carrying the role load its model once."""
+        tc = self.train_config
+        rollout_spec = self.resources.role("rollout")
+        recipes: dict[str, Callable] = {
+            "rollout": functools.partial(rollout.RolloutRole, self.actor_dir, device=self._device("rollout"),
+                                         engine=rollout_spec.strategy, dtype=tc.dtype,
+                                         engine_args=rollout_spec.vllm_kwargs),
+            "reference": functools.partial(reference.ReferenceRole, self._model_dir(reference_model, "reference"),
+                                           device=self._device("reference"), dtype=tc.dtype,
+                                           micro_batch_size=tc.micro_batch_size),
+            "actor": functools.partial(actor.ActorRole, self.actor_dir, device=self._device("actor"), lr=tc.actor_lr,
+                                       strategy=self.resources.role("actor").strategy, grad_clip=tc.grad_clip,
+                                       dtype=tc.dtype),
+            "reward": self._reward_recipe(reward_model),
+        }
+        if "critic" in roles:
+            recipes["critic"] = functools.partial(
+                critic.CriticRole, self._model_dir(critic_model, "critic"), device=self._device("critic"),
+                lr=tc.critic_lr, strategy=self.resources.role("critic").strategy, grad_clip=tc.grad_clip)
+        threads = None if self.resources.uses_cuda else 1  # CPU roles share few cores: one each
+        for role in roles:
+            self.client.register_plugin(RoleHost(role, recipes[role], torch_threads=threads), name=plugin_name(role))
+
+    def _model_dir(self, model: Any, role: str) -> str:
+        return self.actor_dir if model is None else materialize(model, self.output_dir / f"{role}-init")
+
+    def _reward_recipe(self, reward_model: Any) -> Callable:
+        if callable(reward_model) and not hasattr(reward_model, "save_pretrained"):
+            return functools.partial(reward.RewardRole, self.actor_dir, function=reward_model,
+                                     device=self._device("reward"))
+        model_dir = materialize(reward_model, self.output_dir / "reward-init")
+        return functools.partial(reward.RewardRole, self.actor_dir, model_dir=model_dir, device=self._device("reward"))
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self, steps: int | None = None) -> list[StepRecord]:
+        """Run `steps` (default: train.steps) updates with a progress bar; returns the records."""
+        total = steps or self.train_config.steps
+        bar = tqdm(range(total), desc=f"dask-rl {self.train_config.algorithm}", disable=not self.show_progress)
+        for _ in bar:
+            record = self.step()
+            bar.set_postfix(record.summary())
+        return self.history[-total:]
+
+    def step(self) -> StepRecord:
+        """One update. Each phase is timed; the dataflow is the sequence of calls below."""
+        tc, timer, start = self.train_config, PhaseTimer(), time.perf_counter()
+        # 1. Take the oldest in-flight batch, then keep `max_staleness` newer ones generating
+        #    with the current weights while this one is trained on (0 = strictly on-policy).
+        with timer("wait_rollout"):
+            batch = self._pending.popleft() if self._pending else self._submit_batch()
+            while len(self._pending) < tc.max_staleness:
+                self._pending.append(self._submit_batch())
+            rollout_data = concat_rollouts(self._wait("rollout", batch.rollouts, "generated rollouts"))
+        # 2. Rewards, reference log-probs and critic values were computed on the rollout
+        #    workers' outputs as soon as each shard finished.
+        with timer("wait_scores"):
+            scores = torch.cat(self._wait("reward", batch.scores, "rewards"))
+            ref_logprobs = self._cat_padded(self._wait("reference", batch.ref_logprobs, "reference logprobs"))
+            values = self._cat_padded(self._wait("critic", batch.values, "critic values")) if batch.values else None
+        # 3. Advantages on the driver: small CPU tensors, pure math.
+        with timer("advantages"):
+            experience, stats = build_experience(
+                rollout_data, scores, ref_logprobs, values, algorithm=tc.algorithm, kl_coef=tc.kl_coef,
+                gamma=tc.gamma, lam=tc.lam, group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages)
+        # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
+        with timer("update"):
+            losses = self._update(experience)
+        record = StepRecord(step=len(self.history), policy_version=self.version, reward_mean=stats["reward_mean"],
+                            kl_mean=stats["kl_mean"], response_length=stats["response_length"],
+                            tokens=stats["tokens"], seconds=time.perf_counter() - start,
+                            staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds)
+        self.history.append(record)
+        return record
+
+    def _submit_batch(self) -> InFlightBatch:
+        """Submit generation for one step's prompts, and scoring that starts as each shard lands."""
+        tc = self.train_config
+        prompts, draws = self.prompts.next_batch(tc.prompts_per_step)
+        n_shards = max(1, min(len(self.cluster.workers_of("rollout")), len(prompts)))
+        index, self._batches_submitted = self._batches_submitted, self._batches_submitted + 1
+        batch = InFlightBatch(index, self.version, [], [], [], [])
+        for shard in range(n_shards):
+            request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
+                                        samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,
+                                        temperature=tc.temperature, seed=tc.seed * 1_000_003 + index * 1009 + shard)
+            tag = f"{index}-{shard}"
+            generated = submit(self.client, "rollout", rollout.generate, request, self.weights, tag=tag)
+            batch.rollouts.append(generated)
+            batch.scores.append(submit(self.client, "reward", reward.score, generated, tag=tag))
+            batch.ref_logprobs.append(submit(self.client, "reference", reference.ref_logprobs, generated,
+                                             tc.temperature, tag=tag))
+            if tc.algorithm == "ppo":
+                batch.values.append(submit(self.client, "critic", critic.values, generated, tc.micro_batch_size,
+                                           tag=tag))
+        return batch
+
+    def _update(self, experience) -> dict[str, float]:
+        tc = self.train_config
+        actor_workers = self._role_addresses("actor")
+        rows = rank_shards(len(experience), len(actor_workers), tc.mini_batches)
+        blocks = torch.arange(len(experience)).tensor_split(tc.mini_batches)
+        normalizers = tuple(float(experience.response_mask[b].sum()) for b in blocks)
+        policy_step = actor.PolicyStep(
+            clip_ratio=tc.clip_ratio, kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
+            temperature=tc.temperature, micro_batch_size=tc.micro_batch_size, epochs=tc.ppo_epochs,
+            is_cap=tc.is_cap, normalizers=normalizers, next_version=self.version + 1, snapshot_dir=self.snapshot_dir)
+        futures = self._rank_tasks("actor", actor.update, experience, rows, actor_workers, policy_step)
+        if tc.algorithm == "ppo":
+            critic_workers = self._role_addresses("critic")
+            critic_rows = rank_shards(len(experience), len(critic_workers), tc.mini_batches)
+            critic_step = critic.CriticStep(clip_range=tc.value_clip, micro_batch_size=tc.micro_batch_size,
+                                            epochs=tc.ppo_epochs, normalizers=normalizers)
+            critic_futures = self._rank_tasks("critic", critic.update, experience, critic_rows, critic_workers,
+                                              critic_step)
+        results = self._wait("actor", futures, "the policy update")
+        losses = _sum_stats(stats for stats, _ in results)
+        losses["grad_norm"] /= len(actor_workers)  # the same norm is reported by every rank
+        if tc.algorithm == "ppo":
+            critic_losses = _sum_stats(self._wait("critic", critic_futures, "the critic update"))
+            critic_losses["critic_grad_norm"] = critic_losses.pop("grad_norm") / len(critic_workers)
+            losses.update(critic_losses)
+        self.weights = results[0][1]
+        self.version = self.weights.version
+        return _normalise_stats(losses, tc.ppo_epochs * tc.mini_batches)
+
+    def _rank_tasks(self, role, fn, experience, rows, workers, step) -> list:
+        """One task per rank, pinned to its worker (ranks must run at the same time)."""
+        groups = self._process_group(role, workers)
+        return [submit(self.client, role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,
+                       tag=f"{self.version}-r{rank}", workers=[address])
+                for rank, address in enumerate(workers)]
+
+    def _process_group(self, role: str, workers: list[str]) -> list[GroupInfo]:
+        """GroupInfo per rank; a new generation (and rendezvous port) when membership changes."""
+        members = tuple(workers)
+        known = self._groups.get(role)
+        if known is None or known[0] != members:
+            generation = 0 if known is None else known[1] + 1
+            host = self.client.scheduler_info()["workers"][members[0]]["host"]
+            port = self.client.run(_free_port, workers=[members[0]])[members[0]]
+            self._groups[role] = known = (members, generation, f"tcp://{host}:{port}")
+        backend = self.resources.comm_backend
+        if backend == "auto":
+            backend = "nccl" if self.resources.role(role).device_type == "cuda" else "gloo"
+        return [GroupInfo(rank=rank, world_size=len(members), init_method=known[2], backend=backend,
+                          generation=known[1], timeout_seconds=self.resources.timeout_seconds)
+                for rank in range(len(members))]
+
+    def _role_addresses(self, role: str) -> list[str]:
+        return [w["address"] for w in self.cluster.workers_of(role)]
+
+    def _wait(self, role: str, futures: list, what: str) -> list:
+        return wait_role(self.client, futures, role, what, self.resources.timeout_seconds)
+
+    @staticmethod
+    def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+        width = max(p.shape[1] for p in parts)
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def close(self) -> None:
+        self._pending.clear()
+        self.cluster.close()
+
+    def __enter__(self) -> HybridTrainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    """Runs on rank 0's worker: a port free there for the process-group rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _sum_stats(items) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for stats in items:
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals
+
+
+def _normalise_stats(totals: dict[str, float], optimizer_steps: int) -> dict[str, float]:
+    """Token-weighted sums -> fractions; per-step sums -> means over the optimizer steps."""
+    tokens = max(totals.pop("tokens", 0.0), 1.0)
+    out = {key: value / optimizer_steps for key, value in totals.items()}
+    if "clip_tokens" in out:
+        out["clip_frac"] = totals["clip_tokens"] / tokens
+        out["is_weight_mean"] = totals.pop("is_weight_sum") / tokens
+        out.pop("clip_tokens")
+        out.pop("is_weight_sum", None)
+    return out

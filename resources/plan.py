@@ -1,0 +1,75 @@
+"""A validated ResourceConfig -> one WorkerSpec per worker process (pure: no Dask, no NVML).
+
+One worker per GPU (DESIGN.md): each spec pins its process to one physical GPU through the
+environment, or hides every GPU for a CPU role, and carries exactly one role resource, so
+that a task tagged with one role can only land on that role's workers. cluster.py turns the
+specs into Nanny processes; keeping this step pure lets tests check placement without a
+cluster or a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from resources.config import ROLES, ResourceConfig, RoleSpec
+from resources.devices import pin_to_device
+
+__all__ = ["WorkerSpec", "device_roles", "plan_role", "plan_workers"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str  # "{role}-{k}", k counting up per role: a stable Dask worker name
+    role: str
+    device_type: str  # "cuda" | "cpu"
+    device_id: int | None  # physical (NVML) GPU id; None for cpu
+    env: tuple[tuple[str, str], ...]  # from devices.pin_to_device; a tuple keeps it frozen
+    nthreads: int = 1  # one task at a time: a model on a GPU is not shared between threads
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """The Dask worker resources: one unit of its role, nothing else."""
+        return {self.role: 1}
+
+
+def plan_role(spec: RoleSpec, first_index: int = 0) -> list[WorkerSpec]:
+    """Workers for one role, numbered from `first_index` (scaling up adds after the last)."""
+    cuda = spec.device_type == "cuda"
+    devices: list[int | None] = list(spec.device_ids) if cuda else [None] * spec.workers
+    return [
+        WorkerSpec(
+            name=f"{spec.role}-{first_index + k}",
+            role=spec.role,
+            device_type=spec.device_type,
+            device_id=device_id,
+            env=tuple(pin_to_device(device_id).items()),
+        )
+        for k, device_id in enumerate(devices)
+    ]
+
+
+def plan_workers(config: ResourceConfig) -> list[WorkerSpec]:
+    """Every worker of every role, in ROLES order.
+
+    Defaulted critic/reference get their own workers on the actor's GPUs: one role resource
+    per worker keeps the tagging simple, and the config only allows such sharing for roles
+    placed with the actor or when the file opts in with allow_shared_devices.
+    """
+    return [worker for role in ROLES for worker in plan_role(config.role(role))]
+
+
+def device_roles(workers: Iterable[WorkerSpec]) -> dict[int, list[str]]:
+    """GPU id -> the roles with a worker on it, for placement reports; CPU workers are skipped."""
+    roles: dict[int, list[str]] = {}
+    for worker in workers:
+        if worker.device_id is None:
+            continue
+        on_device = roles.setdefault(worker.device_id, [])
+        if worker.role not in on_device:
+            on_device.append(worker.role)
+    return dict(sorted(roles.items()))

@@ -1,0 +1,45 @@
+"""Shared fixtures. Worker processes that import torch start slowly on two cores, so one
+cluster serves every test that does not kill, add or retire workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from resources.config import load_resource_config
+
+# Two rollout and two actor workers, so sharding and the 2-rank process group are exercised.
+SHARED_LAYOUT = {
+    "actor": {"device_type": "cpu", "workers": 2, "strategy": "ddp"},
+    "critic": {"device_type": "cpu", "workers": 1},
+    "reference": {"device_type": "cpu", "workers": 1},
+    "reward": {"device_type": "cpu", "workers": 1},
+    "rollout": {"device_type": "cpu", "workers": 2},
+    "timeout_seconds": 120,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from pipeline.models import create_tiny_model
+
+    return str(create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, seed=0))
+
+
+@pytest.fixture(scope="session")
+def shared_config():
+    return load_resource_config(SHARED_LAYOUT)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(shared_config):
+    from resources.cluster import RoleCluster
+    from resources.plan import plan_workers
+
+    cluster = RoleCluster(plan_workers(shared_config), dashboard_address=":0")
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[str]:
+    return [f"what is {a} plus {b}? answer: " for a in range(8) for b in range(4)]
