@@ -38,6 +38,9 @@ class ActorRole:
         self.trainer = Trainable(model, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
         self.device = device
 
+    def close(self) -> None:
+        self.trainer.close()
+
     def update(self, mini_batches: list[Experience], group: GroupInfo,
                step: PolicyStep) -> tuple[dict[str, float], weights.WeightHandle | None]:
         """Decoupled PPO on this rank's rows; rank 0 then publishes the new weights."""
@@ -79,7 +82,7 @@ class ActorRole:
                                                          normalizer=normalizer)
         tokens = float(mask.sum())
         # Token-weighted sums; the driver divides by the step's token count.
-        return loss, {"policy_loss": float(loss), "clip_tokens": float(stats["clip_frac"]) * tokens,
+        return loss, {"policy_loss": float(loss.detach()), "clip_tokens": float(stats["clip_frac"]) * tokens,
                       "tokens": tokens, "is_weight_sum": float((is_weights * mask).sum())}
 
 

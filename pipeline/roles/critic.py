@@ -39,6 +39,9 @@ class CriticRole:
                  for rows in row_chunks(len(rollout), micro_batch_size)]
         return torch.cat(parts) * rollout.response_mask
 
+    def close(self) -> None:
+        self.trainer.close()
+
     def update(self, mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -> dict[str, float]:
         self.trainer.join(group)
         totals: dict[str, float] = {}
@@ -56,7 +59,7 @@ class CriticRole:
         loss, stats = value_loss(values, to(batch.old_values), to(batch.returns), to(batch.response_mask),
                                  step.clip_range, normalizer=normalizer)
         tokens = float(batch.response_mask.sum())
-        return loss, {"value_loss": float(loss), "value_clip_tokens": float(stats["value_clip_frac"]) * tokens}
+        return loss, {"value_loss": float(loss.detach()), "value_clip_tokens": float(stats["value_clip_frac"]) * tokens}
 
 
 def values(rollout: Rollout, micro_batch_size: int) -> torch.Tensor:

@@ -59,6 +59,8 @@ class Trainable:
         self.group = group
         if group.world_size == 1:
             return
+        if dist.is_initialized():  # left by a role object this worker held before (a re-registered plugin)
+            dist.destroy_process_group()
         dist.init_process_group(
             group.backend, init_method=group.init_method, rank=group.rank,
             world_size=group.world_size, timeout=timedelta(seconds=group.timeout_seconds),

@@ -1,0 +1,84 @@
+"""The training loop on real worker processes (the shared CPU cluster from conftest)."""
+
+from __future__ import annotations
+
+import torch
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from pipeline.records import GenerationRequest
+from pipeline.rewards import digit_fraction
+from pipeline.roles import rollout
+from pipeline.roles.host import worker_identity
+from pipeline.tasks import submit
+from pipeline.trainer import HybridTrainer
+
+SMALL = dict(prompts_per_step=8, max_new_tokens=8, actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=8,
+             show_progress=False)
+
+
+class RestrictionLog(SchedulerPlugin):
+    """Records, on the scheduler, the resource restriction of every task as it starts."""
+
+    name = "restriction-log"
+
+    async def start(self, scheduler):
+        self.scheduler, self.seen = scheduler, {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "processing":
+            self.seen[str(key)] = dict(self.scheduler.tasks[key].resource_restrictions or {})
+
+
+def _logged_restrictions(dask_scheduler):
+    return dask_scheduler.plugins[RestrictionLog.name].seen
+
+
+def test_ppo_steps_tag_every_task_with_its_role_and_advance_the_version(shared_cluster, shared_config,
+                                                                        tiny_model, prompts):
+    shared_cluster.client.register_plugin(RestrictionLog())
+    trainer = HybridTrainer(tiny_model, digit_fraction, shared_config, algorithm="ppo", prompts=prompts,
+                            cluster=shared_cluster, steps=2, **SMALL)
+    records = trainer.train()
+    assert [r.policy_version for r in records] == [1, 2]
+    assert all(r.tokens > 0 and 0.0 <= r.reward_mean <= 1.0 for r in records)
+    assert {"policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "clip_frac"} <= set(records[-1].losses)
+    # Every task that ran carries exactly its role's resource, and its key names the role.
+    restrictions = shared_cluster.client.run_on_scheduler(_logged_restrictions)
+    role_keys = {k: r for k, r in restrictions.items() if k.split("-")[0] in shared_config.roles}
+    assert {k.split("-")[0] for k in role_keys} >= {"rollout", "reward", "reference", "critic", "actor"}
+    for key, resources in role_keys.items():
+        assert resources == {key.split("-")[0]: 1}, key
+    # On-policy: each batch was generated with the weights of the update before it, and both
+    # rollout workers generated the second batch with version 1 (they load a version lazily,
+    # before their next generation).
+    assert [r.staleness for r in records] == [0.0, 0.0]
+    versions = [submit(shared_cluster.client, "rollout", rollout.policy_version, workers=[w["address"]]).result()
+                for w in shared_cluster.workers_of("rollout")]
+    assert versions == [1, 1]
+
+
+def test_role_tasks_run_only_on_workers_carrying_the_role(shared_cluster):
+    for role in ("rollout", "reward", "reference", "critic", "actor"):
+        futures = [submit(shared_cluster.client, role, worker_identity, tag=str(i)) for i in range(4)]
+        for identity in shared_cluster.client.gather(futures):
+            assert identity["resources"] == {role: 1}
+            assert identity["name"].startswith(f"{role}-")
+            assert identity["cuda_visible_devices"] == ""  # CPU roles see no GPU
+
+
+def test_generation_changes_after_updates(shared_cluster, shared_config, tiny_model, prompts):
+    trainer = HybridTrainer(tiny_model, digit_fraction, shared_config, algorithm="grpo", prompts=prompts,
+                            cluster=shared_cluster, steps=3, samples_per_prompt=4, **SMALL)
+    request = GenerationRequest(prompt_ids=[trainer.prompts.token_ids[0]] * 4, group_ids=[0, 1, 2, 3],
+                                samples_per_prompt=4, max_new_tokens=8, temperature=1.0, seed=123)
+    client = shared_cluster.client
+    before = submit(client, "rollout", rollout.generate, request, None).result()
+    trainer.train()
+    after = submit(client, "rollout", rollout.generate, request, trainer.weights).result()
+    assert before.policy_version == 0 and after.policy_version == 3
+    # Same prompts, same sampling seed: different weights give different samples...
+    assert not torch.equal(before.responses, after.responses)
+    # ...and the probability of the digits the reward asks for went up.
+    digits = torch.tensor(trainer.tokenizer.convert_tokens_to_ids(list("0123456789")))
+    share = lambda r: torch.isin(r.responses, digits)[r.response_mask.bool()].float().mean()  # noqa: E731
+    assert share(after) > share(before)
