@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -30,30 +31,42 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     import json
     import tempfile
 
-    from pipeline.config import load_run_file
+    from pipeline.config import TrainConfigError, load_run_file, make_train_config
     from pipeline.models import create_tiny_model
     from pipeline.rewards import resolve_reward_function
     from pipeline.trainer import HybridTrainer
+    from resources.config import ResourceConfigError
 
-    run = load_run_file(path)
-    inputs = dict(run.inputs)
+    # A bad file is the user's to fix: one line naming the key and the fix, no traceback.
+    try:
+        run = load_run_file(path)
+        if steps is not None:
+            run = replace(run, train=make_train_config({"steps": steps}, source="--steps", base=run.train))
+        inputs = dict(run.inputs)
+        if "reward_function" in inputs:
+            reward_model = resolve_reward_function(inputs["reward_function"])
+        elif "reward_model" in inputs:
+            reward_model = inputs["reward_model"]
+        else:
+            raise TrainConfigError(f"{path}: train: no reward. Fix: set reward_function (module:function) "
+                                   f"or reward_model (a path).")
+        prompts = inputs.get("prompts")
+        if prompts is None:
+            raise TrainConfigError(f"{path}: train: no prompts. Fix: set prompts to a .jsonl/.parquet path.")
+        if isinstance(prompts, str) and not Path(prompts).exists():
+            raise TrainConfigError(f"{path}: train.prompts: {prompts!r} does not exist. Fix: give a path "
+                                   f"relative to the run file or an absolute one.")
+    except (ResourceConfigError, TrainConfigError, FileNotFoundError, ValueError, ImportError) as error:
+        print(f"dask-rl: {error}", file=sys.stderr)
+        return 2
     out = Path(output_dir or inputs.get("output_dir") or tempfile.mkdtemp(prefix="dask-rl-run-"))
     out.mkdir(parents=True, exist_ok=True)
     actor_model = inputs.get("actor_model", "tiny")
     if actor_model == "tiny":  # the quickstart's local model: no hub needed
         actor_model = str(create_tiny_model(out / "tiny-model", seed=run.train.seed))
-    if "reward_function" in inputs:
-        reward_model = resolve_reward_function(inputs["reward_function"])
-    elif "reward_model" in inputs:
-        reward_model = inputs["reward_model"]
-    else:
-        print(f"{path}: train: set reward_function (module:function) or reward_model (a path)", file=sys.stderr)
-        return 2
     train = {k: v for k, v in vars(run.train).items() if k != "algorithm"}
-    if steps:
-        train["steps"] = steps
     with HybridTrainer(actor_model, reward_model, run.resources, algorithm=run.train.algorithm,
-                       prompts=inputs.get("prompts"), critic_model=inputs.get("critic_model"),
+                       prompts=prompts, critic_model=inputs.get("critic_model"),
                        reference_model=inputs.get("reference_model"), output_dir=str(out),
                        dashboard_address=dashboard_address, **train) as trainer:
         history = trainer.train()

@@ -13,9 +13,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
-from resources.config import ResourceConfig, parse_resource_config
+from resources.config import ResourceConfig, _read_yaml, parse_resource_config
 
 
 class TrainConfigError(ValueError):
@@ -89,13 +87,17 @@ def make_train_config(values: Mapping[str, Any], *, source: str = "trainer argum
             raise TrainConfigError(f"{source}: unknown training key {key!r}.{hint} "
                                    f"Fix: use one of {', '.join(TRAIN_FIELDS)}.")
         checked[key] = _coerce(key, value, TRAIN_FIELDS[key].type, source)
-    return replace(base or TrainConfig(), **checked)
+    try:
+        return replace(base or TrainConfig(), **checked)
+    except TrainConfigError as error:  # a value check in __post_init__: say where it came from
+        raise TrainConfigError(f"{source}: {error}") from None
 
 
 def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
     expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
     if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
-        raise TrainConfigError(f"{source}: train.{key}: {value!r} should be a {type_name}. "
+        article = "an" if type_name == "int" else "a"
+        raise TrainConfigError(f"{source}: train.{key}: {value!r} should be {article} {type_name}. "
                                f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}.")
     return float(value) if type_name == "float" else value
 
@@ -114,9 +116,14 @@ def load_run_file(path: str | os.PathLike) -> RunFile:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"run file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    # The resource parser's strict reader: a key written twice is an error, not "last wins".
+    data = _read_yaml(path, str(path)) or {}
     resources = parse_resource_config(data, source=str(path))
-    section = dict(data.get("train") or {})
+    section = data.get("train") or {}
+    if not isinstance(section, Mapping):
+        raise TrainConfigError(f"{path}: train: {section!r} is not a mapping. "
+                               f"Fix: write the training keys under it, e.g. train: {{steps: 20}}.")
+    section = dict(section)
     inputs = {key: section.pop(key) for key in INPUT_KEYS if key in section}
     for key in ("prompts", "output_dir", "actor_model", "reward_model", "critic_model", "reference_model"):
         value = inputs.get(key)

@@ -22,7 +22,12 @@ def resolve_reward_function(spec: str | Callable) -> Callable[[str, str], float]
     module_name, _, attr = str(spec).partition(":")
     if not attr:
         raise ValueError(f"reward_function: {spec!r} should look like 'package.module:function'")
-    function = getattr(importlib.import_module(module_name), attr, None)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"reward_function: {spec!r}: cannot import {module_name} ({error}). "
+                         f"Fix: check the module path, or install the package that provides it.") from None
+    function = getattr(module, attr, None)
     if not callable(function):
         raise ValueError(f"reward_function: {spec!r}: {module_name} has no function {attr!r}")
     return function

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from typing import Any, Callable, Iterable
 
 from distributed import Client, Future, wait
+
+from resources.cluster import role_addresses
+
+
+logger = logging.getLogger("dask_rl")
 
 
 class RoleTimeout(TimeoutError):
@@ -22,20 +29,41 @@ def submit(client: Client, role: str, fn: Callable, *args: Any, tag: str = "",
 
 
 def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, timeout: float) -> list:
-    """Results of `futures`, or RoleTimeout naming the role, the workers and what was awaited."""
+    """Results of `futures`, or RoleTimeout naming the role, the workers and what was awaited.
+
+    The first failed task ends the wait at once (its siblings, e.g. the other ranks of one
+    process group, are cancelled). While the role has no live worker a warning says that
+    it waits for a replacement.
+    """
     futures = list(futures)
-    done, pending = wait(futures, timeout=timeout)
-    if pending:
-        raise RoleTimeout(_describe_stuck(client, pending, role, what, timeout))
-    return client.gather(futures)
+    deadline = time.monotonic() + timeout
+    warned = False
+    while True:
+        pending = [f for f in futures if f.status == "pending"]
+        failed = [f for f in futures if f.status == "error"]
+        if failed:
+            client.cancel(pending)
+            failed[0].result()
+        if not pending:
+            return client.gather(futures)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RoleTimeout(_describe_stuck(client, pending, role, what, timeout))
+        try:
+            wait(pending, timeout=min(remaining, 5.0), return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            if not warned and not role_addresses(client, role):
+                logger.warning("dask-rl: %s has no live worker; waiting up to %.0fs for a replacement "
+                               "(update_resource or `dask-rl worker ... --role %s`) to finish %s",
+                               role, remaining, role, what)
+                warned = True
 
 
 def _describe_stuck(client: Client, pending, role: str, what: str, timeout: float) -> str:
     keys = {f.key for f in pending}
     processing = client.processing()
     holders = sorted({worker for worker, tasks in processing.items() if keys & set(tasks)})
-    role_workers = [addr for addr, w in client.scheduler_info()["workers"].items()
-                    if w.get("resources", {}).get(role)]
+    role_workers = role_addresses(client, role)
     where = (f"still running on {', '.join(holders)}" if holders else
              "not running anywhere" + ("" if role_workers else f": there is no live {role} worker"))
     return (f"{role}: waited {timeout:.0f}s (timeout_seconds) for {what}; {len(keys)} task(s) {where} "

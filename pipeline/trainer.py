@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -14,7 +16,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from pipeline import weights
+from pipeline import elastic, weights
 from pipeline.config import TrainConfig, make_train_config
 from pipeline.data import PromptStream, encode_prompts, read_prompts
 from pipeline.experience import build_experience
@@ -25,7 +27,7 @@ from pipeline.roles import actor, critic, reference, reward, rollout
 from pipeline.roles.host import RoleHost, plugin_name
 from pipeline.roles.training import GroupInfo
 from pipeline.tasks import submit, wait_role
-from resources.cluster import RoleCluster
+from resources.cluster import RoleCluster, live_workers
 from resources.config import ResourceConfig
 from resources.plan import plan_workers
 
@@ -83,7 +85,12 @@ class HybridTrainer:
         self._pending: deque[InFlightBatch] = deque()
         self._batches_submitted = 0
         self._groups: dict[str, tuple[tuple[str, ...], int, str]] = {}
-        roles = self._roles()
+        self.restore_paths: dict[str, str] = {}   # role -> state a resized group starts from
+        self._boundary: queue.Queue = queue.Queue()   # resource changes waiting for a step boundary
+        self._elastic_lock = threading.Lock()
+        self._training = False
+        self._train_thread: threading.Thread | None = None
+        self.roles = roles = self._roles()
         workers = [w for w in plan_workers(config) if w.role in roles]
         self.cluster = cluster or RoleCluster(workers, dashboard_address=dashboard_address)
         self.client = self.cluster.client
@@ -95,28 +102,25 @@ class HybridTrainer:
         base = ("rollout", "reward", "reference", "actor")
         return base + ("critic",) if self.train_config.algorithm == "ppo" else base
 
-    def _device(self, role: str) -> str:
-        return "cuda" if self.resources.role(role).device_type == "cuda" else "cpu"
-
     def _register_roles(self, roles, reward_model, critic_model, reference_model) -> None:
         """One RoleHost plugin per role: workers carrying the role load its model once."""
         tc = self.train_config
         rollout_spec = self.resources.role("rollout")
         recipes: dict[str, Callable] = {
-            "rollout": functools.partial(rollout.RolloutRole, self.actor_dir, device=self._device("rollout"),
+            "rollout": functools.partial(rollout.RolloutRole, self.actor_dir,
                                          engine=rollout_spec.strategy, dtype=tc.dtype,
                                          engine_args=rollout_spec.vllm_kwargs),
             "reference": functools.partial(reference.ReferenceRole, self._model_dir(reference_model, "reference"),
-                                           device=self._device("reference"), dtype=tc.dtype,
+                                           dtype=tc.dtype,
                                            micro_batch_size=tc.micro_batch_size),
-            "actor": functools.partial(actor.ActorRole, self.actor_dir, device=self._device("actor"), lr=tc.actor_lr,
+            "actor": functools.partial(actor.ActorRole, self.actor_dir, lr=tc.actor_lr,
                                        strategy=self.resources.role("actor").strategy, grad_clip=tc.grad_clip,
                                        dtype=tc.dtype),
             "reward": self._reward_recipe(reward_model),
         }
         if "critic" in roles:
             recipes["critic"] = functools.partial(
-                critic.CriticRole, self._model_dir(critic_model, "critic"), device=self._device("critic"),
+                critic.CriticRole, self._model_dir(critic_model, "critic"),
                 lr=tc.critic_lr, strategy=self.resources.role("critic").strategy, grad_clip=tc.grad_clip)
         threads = None if self.resources.uses_cuda else 1  # CPU roles share few cores: one each
         for role in roles:
@@ -127,24 +131,73 @@ class HybridTrainer:
 
     def _reward_recipe(self, reward_model: Any) -> Callable:
         if callable(reward_model) and not hasattr(reward_model, "save_pretrained"):
-            return functools.partial(reward.RewardRole, self.actor_dir, function=reward_model,
-                                     device=self._device("reward"))
+            return functools.partial(reward.RewardRole, self.actor_dir, function=reward_model)
         model_dir = materialize(reward_model, self.output_dir / "reward-init")
-        return functools.partial(reward.RewardRole, self.actor_dir, model_dir=model_dir, device=self._device("reward"))
+        return functools.partial(reward.RewardRole, self.actor_dir, model_dir=model_dir)
 
     # -- the loop --------------------------------------------------------------------------
-    def train(self, steps: int | None = None) -> list[StepRecord]:
-        """Run `steps` (default: train.steps) updates with a progress bar; returns the records."""
+    def train(self, steps: int | None = None, on_step: Callable[[StepRecord], None] | None = None
+              ) -> list[StepRecord]:
+        """Run `steps` (default: train.steps) updates with a progress bar; returns the records.
+
+        `on_step(record)` runs in the training thread after each step: a place to log, to
+        checkpoint, or to call update_resource between two steps.
+        """
         total = steps or self.train_config.steps
         bar = tqdm(range(total), desc=f"dask-rl {self.train_config.algorithm}", disable=not self.show_progress)
-        for _ in bar:
-            record = self.step()
-            bar.set_postfix(record.summary())
+        self._training = True
+        try:
+            for _ in bar:
+                record = self.step()
+                bar.set_postfix(record.summary())
+                if on_step is not None:
+                    on_step(record)
+        finally:
+            self._training = False
+            self._apply_boundary_changes()  # a request that raced the last step is not left waiting
         return self.history[-total:]
+
+    def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,
+                        *, workers: int | None = None, device_type: str | None = None
+                        ) -> list[elastic.ResourceChange]:
+        """Give `component` these devices (GPU roles) or this many workers (CPU roles).
+
+        Safe to call from another thread while train() runs. Rollout, reward and reference
+        change at once; the actor and critic at the next step boundary (this call waits for
+        it). A bad request raises before anything changes. Returns what changed per role.
+        """
+        request = elastic.BoundaryRequest(component, device_ids, strategy, workers, device_type)
+        self._new_config(request)  # validate now: errors reach the caller, nothing changes
+        touches_trainable = component in elastic.TRAINABLE or component == "actor"
+        if touches_trainable and self._training and threading.current_thread() is not self._train_thread:
+            self._boundary.put(request)
+            return request.wait(self.resources.timeout_seconds + 600)
+        return self._apply(request)
+
+    def _apply(self, request: elastic.BoundaryRequest) -> list[elastic.ResourceChange]:
+        with self._elastic_lock:
+            return elastic.apply_config(self, self._new_config(request))
+
+    def _new_config(self, request: elastic.BoundaryRequest) -> ResourceConfig:
+        spec = elastic.requested_spec(self.resources, request.component, request.device_ids, request.strategy,
+                                      request.workers, request.device_type)
+        return self.resources.with_role(spec)
+
+    def _apply_boundary_changes(self) -> None:
+        while not self._boundary.empty():
+            request = self._boundary.get()
+            try:
+                request.finish(self._apply(request))
+            except BaseException as error:  # handed to the caller's thread, which re-raises it
+                request.fail(error)
 
     def step(self) -> StepRecord:
         """One update. Each phase is timed; the dataflow is the sequence of calls below."""
         tc, timer, start = self.train_config, PhaseTimer(), time.perf_counter()
+        self._train_thread = threading.current_thread()
+        # 0. Resource changes for the actor and critic happen here, between two updates.
+        with timer("resize"):
+            self._apply_boundary_changes()
         # 1. Take the oldest in-flight batch, then keep `max_staleness` newer ones generating
         #    with the current weights while this one is trained on (0 = strictly on-policy).
         with timer("wait_rollout"):
@@ -196,6 +249,22 @@ class HybridTrainer:
         return batch
 
     def _update(self, experience) -> dict[str, float]:
+        """The update, redone once on the surviving ranks if a rank's worker died during it."""
+        try:
+            return self._update_once(experience)
+        except Exception as error:
+            lost = [role for role in ("actor", "critic") if self._lost_member(role)]
+            if not lost:
+                raise
+            logger.warning("dask-rl: %s lost a worker during the update (%r); redoing it on the survivors",
+                           ", ".join(lost), error)
+            return self._update_once(experience)
+
+    def _lost_member(self, role: str) -> bool:
+        members = self.group_members(role)
+        return members is not None and not set(members) <= set(self._role_addresses(role))
+
+    def _update_once(self, experience) -> dict[str, float]:
         tc = self.train_config
         actor_workers = self._role_addresses("actor")
         rows = rank_shards(len(experience), len(actor_workers), tc.mini_batches)
@@ -235,17 +304,27 @@ class HybridTrainer:
         """GroupInfo per rank; a new generation (and rendezvous port) when membership changes."""
         members = tuple(workers)
         known = self._groups.get(role)
+        restore = None
         if known is None or known[0] != members:
             generation = 0 if known is None else known[1] + 1
-            host = self.client.scheduler_info()["workers"][members[0]]["host"]
+            host = live_workers(self.client)[members[0]]["host"]
             port = self.client.run(_free_port, workers=[members[0]])[members[0]]
             self._groups[role] = known = (members, generation, f"tcp://{host}:{port}")
+            restore = self.restore_paths.pop(role, None)
+            if restore is None and generation > 0 and role == "actor" and self.weights is not None:
+                restore = self.weights.path  # a rank was lost: restart from the last published weights
         backend = self.resources.comm_backend
         if backend == "auto":
             backend = "nccl" if self.resources.role(role).device_type == "cuda" else "gloo"
         return [GroupInfo(rank=rank, world_size=len(members), init_method=known[2], backend=backend,
-                          generation=known[1], timeout_seconds=self.resources.timeout_seconds)
+                          generation=known[1], timeout_seconds=self.resources.timeout_seconds,
+                          restore_path=restore)
                 for rank in range(len(members))]
+
+    def group_members(self, role: str) -> tuple[str, ...] | None:
+        """The workers of the role's current process group, rank order."""
+        known = self._groups.get(role)
+        return known[0] if known else None
 
     def _role_addresses(self, role: str) -> list[str]:
         return [w["address"] for w in self.cluster.workers_of(role)]

@@ -8,6 +8,7 @@ installed; CPU workers are plain distributed workers, so the CPU path needs no N
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable
 
 import dask
@@ -67,6 +68,34 @@ def _cuda_worker_plugins(device_id: int) -> set:
     return {CPUAffinity(get_cpu_affinity(device_id))}
 
 
+def live_workers(client: Client) -> dict[str, dict]:
+    """address -> {name, host, resources} of every worker, read on the scheduler itself.
+
+    Not `client.scheduler_info()`: the client refreshes that cache in the background with
+    a view limited to 5 workers, so another thread can read a list missing workers.
+    """
+    return client.run_on_scheduler(_worker_table)
+
+
+def _worker_table(dask_scheduler=None) -> dict[str, dict]:
+    return {addr: {"name": ws.name, "host": ws.host, "resources": dict(ws.resources)}
+            for addr, ws in dask_scheduler.workers.items()}
+
+
+def role_addresses(client: Client, role: str) -> list[str]:
+    """Live workers carrying `role` (a resource above 0), sorted by name."""
+    table = live_workers(client)
+    return sorted((a for a, w in table.items() if w["resources"].get(role)), key=lambda a: str(table[a]["name"]))
+
+
+async def _set_role_resource(role: str, quantity: float, dask_worker=None) -> None:
+    await dask_worker.set_resources(**{role: quantity})
+
+
+def _executing_count(dask_worker=None) -> int:
+    return len(dask_worker.state.executing)
+
+
 class RoleCluster:
     """A local Dask cluster with role-tagged workers, and the client the trainer uses."""
 
@@ -88,12 +117,66 @@ class RoleCluster:
 
     def workers_of(self, role: str) -> list[dict]:
         """Scheduler's view of the live workers carrying `role`: address, name, host."""
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = live_workers(self.client)
         return sorted(
             ({"address": addr, "name": w["name"], "host": w["host"]}
-             for addr, w in info.items() if w.get("resources", {}).get(role)),
+             for addr, w in info.items() if w["resources"].get(role)),
             key=lambda w: str(w["name"]),
         )
+
+    def next_index(self, role: str) -> int:
+        """The first unused k for a new "{role}-{k}" worker name (names are never reused)."""
+        taken = [int(name.rsplit("-", 1)[1]) for name, spec in self.specs.items() if spec.role == role]
+        return max(taken, default=-1) + 1
+
+    def add_workers(self, workers: Iterable[WorkerSpec], timeout: float) -> dict[str, str]:
+        """Start `workers` and wait until each has registered; returns name -> address.
+
+        A joining worker runs every role plugin's setup (loading its model) before it
+        executes any task, so it takes work only once its model is loaded.
+        """
+        workers = list(workers)
+        for worker in workers:
+            self.specs[worker.name] = worker
+            self.cluster.worker_spec[worker.name] = dask_worker_spec(worker)
+        self.cluster.sync(self.cluster._correct_state)
+        return self._wait_for_names({w.name for w in workers}, timeout)
+
+    def _wait_for_names(self, names: set[str], timeout: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            live = {w["name"]: addr for addr, w in live_workers(self.client).items()}
+            if names <= set(live):
+                return {name: live[name] for name in names}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(names - set(live))} did not join the scheduler within "
+                                   f"{timeout:.0f}s (timeout_seconds); check their logs and the devices")
+            time.sleep(0.2)
+
+    def drain(self, addresses: list[str], role: str, timeout: float) -> None:
+        """Stop routing `role` tasks to `addresses` and wait for their running tasks to end.
+
+        The role resource goes to 0 on each worker, so the scheduler sends it nothing new
+        and the worker starts nothing it had queued; what it queued moves to the role's
+        other workers when it is retired.
+        """
+        self.client.run(_set_role_resource, role, 0, workers=addresses)
+        deadline = time.monotonic() + timeout
+        while any(self.client.run(_executing_count, workers=addresses).values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{role}: workers {addresses} still ran a task after {timeout:.0f}s of draining "
+                                   f"(timeout_seconds); they were not retired")
+            time.sleep(0.1)
+
+    def retire(self, addresses: list[str]) -> None:
+        """Retire drained workers (Dask moves any results they hold) and forget their specs."""
+        info = live_workers(self.client)
+        names = [info[addr]["name"] for addr in addresses if addr in info]
+        self.client.retire_workers(workers=addresses, close_workers=True)
+        for name in names:
+            self.specs.pop(name, None)
+            self.cluster.worker_spec.pop(name, None)
+        self.cluster.sync(self.cluster._correct_state)
 
     def close(self) -> None:
         self.client.close()

@@ -10,7 +10,7 @@ cluster or a GPU.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from resources.config import ROLES, ResourceConfig, RoleSpec
 from resources.devices import pin_to_device
@@ -73,3 +73,26 @@ def device_roles(workers: Iterable[WorkerSpec]) -> dict[int, list[str]]:
         if worker.role not in on_device:
             on_device.append(worker.role)
     return dict(sorted(roles.items()))
+
+
+def plan_change(current: Iterable[WorkerSpec], spec: RoleSpec, next_index: int
+                ) -> tuple[list[WorkerSpec], list[WorkerSpec]]:
+    """Workers to start and workers to retire so that a role matches `spec`.
+
+    GPU roles keep the workers whose device is still listed and start one per new device;
+    CPU roles keep their oldest workers up to the new count. New names continue from
+    `next_index`, so a name is never reused for a different worker.
+    """
+    current = [w for w in current if w.role == spec.role]
+    if spec.device_type == "cuda":
+        wanted = list(spec.device_ids)
+        keep = [w for w in current if w.device_type == "cuda" and w.device_id in wanted]
+        kept_ids = {w.device_id for w in keep}
+        new_ids = [i for i in wanted if i not in kept_ids]
+        start = [replace(w, name=f"{spec.role}-{next_index + k}")
+                 for k, w in enumerate(plan_role(replace(spec, device_ids=tuple(new_ids), workers=len(new_ids))))]
+    else:
+        keep = [w for w in current if w.device_type == "cpu"][:spec.workers]
+        start = plan_role(replace(spec, workers=spec.workers - len(keep)), next_index) if spec.workers > len(keep) else []
+    retire = [w for w in current if w not in keep]
+    return start, retire

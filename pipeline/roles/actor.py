@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from pipeline import weights
 from pipeline.algorithms import importance_weights, kl_loss, policy_loss
 from pipeline.records import Experience
 from pipeline.roles.forward import response_logprobs, row_chunks
-from pipeline.roles.host import role_state
+from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 
 
@@ -30,12 +31,13 @@ class PolicyStep:
 
 
 class ActorRole:
-    def __init__(self, model_dir: str, *, device: str, lr: float, strategy: str,
+    def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str,
                  grad_clip: float = 1.0, dtype: str = "float32"):
+        device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
-        model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype))
-        self.trainer = Trainable(model, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
+        build = functools.partial(load_causal_lm, model_dir, dtype=getattr(torch, dtype))
+        self.trainer = Trainable(build, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
         self.device = device
 
     def close(self) -> None:
@@ -90,3 +92,8 @@ def update(mini_batches: list[Experience], group: GroupInfo,
            step: PolicyStep) -> tuple[dict[str, float], weights.WeightHandle | None]:
     """Task: one rank's part of a policy update."""
     return role_state("actor").update(mini_batches, group, step)
+
+
+def export_state(path: str) -> str | None:
+    """Task: every actor rank saves its part; rank 0 writes the full state to `path`."""
+    return role_state("actor").trainer.export_state(path)

@@ -9,7 +9,7 @@ import torch
 from pipeline.algorithms import value_loss
 from pipeline.records import Experience, Rollout
 from pipeline.roles.forward import response_values, row_chunks
-from pipeline.roles.host import role_state
+from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 
 
@@ -24,10 +24,11 @@ class CriticStep:
 
 
 class CriticRole:
-    def __init__(self, model_dir: str, *, device: str, lr: float, strategy: str, grad_clip: float = 1.0):
+    def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str, grad_clip: float = 1.0):
+        device = resolve_device(device)
         from pipeline.models import ValueModel
 
-        self.trainer = Trainable(ValueModel(model_dir), lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
+        self.trainer = Trainable(lambda: ValueModel(model_dir), lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
         self.device = device
 
     @torch.no_grad()
@@ -70,3 +71,8 @@ def values(rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
 def update(mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -> dict[str, float]:
     """Task: one rank's part of a critic update."""
     return role_state("critic").update(mini_batches, group, step)
+
+
+def export_state(path: str) -> str | None:
+    """Task: every critic rank saves its part; rank 0 writes the full state to `path`."""
+    return role_state("critic").trainer.export_state(path)

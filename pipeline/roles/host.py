@@ -70,6 +70,19 @@ class RoleHost(WorkerPlugin):
         self.state = None
 
 
+def resolve_device(device: str = "auto") -> str:
+    """"auto" -> the device for models on this worker: its GPU when it was given one, else the CPU.
+
+    Resolved on the worker, not in the driver: a role moved between CPU and GPU workers
+    keeps one recipe, and each worker loads onto what it actually has.
+    """
+    import torch
+
+    if device != "auto":
+        return device
+    return "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") and torch.cuda.is_available() else "cpu"
+
+
 def role_state(role: str) -> Any:
     """The role object that lives on the worker running the current task."""
     worker = get_worker()
@@ -83,6 +96,12 @@ def role_state(role: str) -> Any:
     if plugin.error is not None:
         raise RuntimeError(f"{role} worker {worker.name} could not load its model: {plugin.error!r}") from plugin.error
     return plugin.state
+
+
+def role_ready(role: str) -> dict[str, Any]:
+    """Task: returns once this worker has loaded the `role` model; says where it runs."""
+    role_state(role)
+    return worker_identity()
 
 
 def worker_identity() -> dict[str, Any]:

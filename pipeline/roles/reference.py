@@ -6,11 +6,12 @@ import torch
 
 from pipeline.records import Rollout
 from pipeline.roles.forward import response_logprobs, row_chunks
-from pipeline.roles.host import role_state
+from pipeline.roles.host import resolve_device, role_state
 
 
 class ReferenceRole:
-    def __init__(self, model_dir: str, *, device: str, dtype: str = "float32", micro_batch_size: int = 16):
+    def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "float32", micro_batch_size: int = 16):
+        device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
         self.model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype)).eval()

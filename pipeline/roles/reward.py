@@ -7,14 +7,15 @@ from typing import Callable
 import torch
 
 from pipeline.records import Rollout
-from pipeline.roles.host import role_state
+from pipeline.roles.host import resolve_device, role_state
 
 RewardFunction = Callable[[str, str], float]   # (prompt text, response text) -> reward
 
 
 class RewardRole:
     def __init__(self, tokenizer_dir: str, *, function: RewardFunction | None = None,
-                 model_dir: str | None = None, device: str = "cpu", batch_size: int = 32):
+                 model_dir: str | None = None, device: str = "auto", batch_size: int = 32):
+        device = resolve_device(device)
         from pipeline.models import load_sequence_scorer, load_tokenizer
 
         if (function is None) == (model_dir is None):

@@ -6,14 +6,15 @@ import torch
 
 from pipeline import weights
 from pipeline.records import GenerationRequest, Rollout
-from pipeline.roles.host import role_state
+from pipeline.roles.host import resolve_device, role_state
 
 
 class RolloutRole:
     """Lives on a rollout worker: an engine plus the policy version it currently holds."""
 
-    def __init__(self, model_dir: str, *, device: str, engine: str = "hf", dtype: str = "float32",
+    def __init__(self, model_dir: str, *, device: str = "auto", engine: str = "hf", dtype: str = "float32",
                  engine_args: dict | None = None):
+        device = resolve_device(device)
         from pipeline.models import load_causal_lm, load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
@@ -34,7 +35,7 @@ class RolloutRole:
         """Load `handle`'s weights unless this worker already holds that version."""
         if handle is None or handle.version == self.version:
             return
-        state = weights.load_snapshot_bytes(snapshot) if snapshot is not None else weights.load_snapshot(handle)
+        state = weights.receive(handle, snapshot)
         self.engine.load_state_dict(state)
         self.version = handle.version
 
@@ -45,6 +46,13 @@ def generate(request: GenerationRequest, handle: weights.WeightHandle | None,
     role = role_state("rollout")
     role.sync(handle, snapshot)
     return role.engine.generate(request, role.version)
+
+
+def sync_weights(handle: weights.WeightHandle | None) -> int:
+    """Task: load `handle`'s weights now (a joining worker warms up before its first batch)."""
+    role = role_state("rollout")
+    role.sync(handle)
+    return role.version
 
 
 def policy_version() -> int:

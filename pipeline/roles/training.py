@@ -30,14 +30,19 @@ class GroupInfo:
     backend: str             # "gloo" on CPU, "nccl" on GPU
     generation: int          # changes whenever the role's membership changes: rebuild then
     timeout_seconds: float
+    # After a membership change every rank rebuilds from a saved state: a full model and
+    # optimizer state (".pt", exported at the step boundary) or, when a rank died and
+    # nothing was exported, the last published policy weights (".safetensors").
+    restore_path: str | None = None
 
 
 class Trainable:
     """A model, its optimizer and its data-parallel group on one worker."""
 
-    def __init__(self, model: nn.Module, *, lr: float, strategy: str, device: str,
+    def __init__(self, build_model: Callable[[], nn.Module], *, lr: float, strategy: str, device: str,
                  grad_clip: float = 1.0, weight_decay: float = 0.0):
-        self.model = model.to(device)
+        self.build_model = build_model   # kept: a resize rebuilds an unsharded model
+        self.model = build_model().to(device)
         self.device = device
         self.strategy = strategy
         self.grad_clip = grad_clip
@@ -54,22 +59,33 @@ class Trainable:
         """Make sure this worker is rank `group.rank` of the current group generation."""
         if self.group is not None and self.group.generation == group.generation:
             return
-        if self.group is not None and self.group.world_size > 1:
-            raise RuntimeError("resizing a live process group is done by the elastic path, not join()")
-        self.group = group
-        if group.world_size == 1:
-            return
-        if dist.is_initialized():  # left by a role object this worker held before (a re-registered plugin)
+        state = _load_restore(group.restore_path) if group.restore_path else None
+        if state is None and self._fsdp_active:
+            # Shards of a group that lost a member cannot be regathered: start over.
+            logger.warning("dask-rl: FSDP group changed with no saved state; rebuilding from the initial model")
+            state = {"model": self.build_model().state_dict(), "optim": None}
+        if dist.is_initialized():  # the previous generation, or a group a replaced role object left
             dist.destroy_process_group()
-        dist.init_process_group(
-            group.backend, init_method=group.init_method, rank=group.rank,
-            world_size=group.world_size, timeout=timedelta(seconds=group.timeout_seconds),
-        )
-        if self.strategy == "fsdp":
-            self._shard()
-        else:  # ddp: every rank starts from rank 0's parameters, then gradients are summed
-            for param in self.model.parameters():
-                dist.broadcast(param.data, src=0)
+        if state is not None:  # start from the saved state, unsharded, then shard anew
+            self.model = self.build_model().to(self.device)
+            self.model.load_state_dict(state["model"])
+            self.optimizer = self._make_optimizer()
+        self.group = group
+        if group.world_size > 1:
+            dist.init_process_group(
+                group.backend, init_method=group.init_method, rank=group.rank,
+                world_size=group.world_size, timeout=timedelta(seconds=group.timeout_seconds),
+            )
+            if self.strategy == "fsdp":
+                self._shard()
+            elif state is None:  # ddp: every rank starts from rank 0's parameters
+                for param in self.model.parameters():
+                    dist.broadcast(param.data, src=0)
+        if state is not None and state.get("optim") is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state["optim"],
+                                     options=StateDictOptions(full_state_dict=True))
         logger.info("dask-rl: joined group generation %d as rank %d/%d (%s, %s)", group.generation,
                     group.rank, group.world_size, group.backend, self.strategy)
 
@@ -141,6 +157,27 @@ class Trainable:
             return None
         return {name: tensor.detach().to("cpu") for name, tensor in self.model.state_dict().items()}
 
+    def export_state(self, path: str) -> str | None:
+        """Save the full model and optimizer state (rank 0 writes; collective under FSDP)
+        so that a resized group can start from exactly this state."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        if self.group is not None and self.group.rank != 0:
+            return None
+        torch.save({"model": model_state, "optim": optim_state}, path)
+        return path
+
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _load_restore(path: str) -> dict:
+    if path.endswith(".safetensors"):  # published weights only: the optimizer starts afresh
+        from safetensors.torch import load_file
+
+        logger.warning("dask-rl: rebuilding from published weights %s; optimizer state starts afresh", path)
+        return {"model": load_file(path), "optim": None}
+    return torch.load(path, weights_only=False)

@@ -16,6 +16,7 @@ from pipeline.roles.host import RoleHost, plugin_name
 from pipeline.roles.training import GroupInfo
 from pipeline.tasks import submit
 from pipeline.trainer import _free_port
+from resources.cluster import live_workers
 
 
 def _experience(model_dir: str) -> Experience:
@@ -59,7 +60,7 @@ def test_two_rank_update_matches_one_rank(strategy, shared_cluster, tiny_model, 
     client.register_plugin(RoleHost("actor", recipe, torch_threads=1), name=plugin_name("actor"))
     workers = [w["address"] for w in shared_cluster.workers_of("actor")]
     port = client.run(_free_port, workers=[workers[0]])[workers[0]]
-    host = client.scheduler_info()["workers"][workers[0]]["host"]
+    host = live_workers(client)[workers[0]]["host"]
     shards = rank_shards(len(experience), 2, mini_batches)
     step = _step(experience, mini_batches, str(tmp_path / "two"))
     futures = [submit(client, "actor", actor.update, [experience.select(r) for r in shards[rank]],

@@ -1,0 +1,156 @@
+"""Moving devices between roles while training runs.
+
+A change is reconciliation: the new resource config is validated like a fresh file, each
+role's wanted workers are compared with its live ones, new workers are started (they load
+the role's model before taking any task, and rollout workers receive the current
+weights), and removed workers are drained (no new task, running ones finish) and only then
+retired. The trainable roles (actor, critic) change at a step boundary: their full model
+and optimizer state is exported first and every rank of the new group starts from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Sequence
+
+from pipeline.roles import actor, critic, rollout
+from pipeline.roles.host import role_ready
+from pipeline.tasks import submit, wait_role
+from resources.config import ResourceConfig, RoleSpec
+from resources.plan import plan_change
+
+if TYPE_CHECKING:
+    from pipeline.trainer import HybridTrainer
+
+logger = logging.getLogger("dask_rl")
+TRAINABLE = {"actor": actor.export_state, "critic": critic.export_state}
+
+
+@dataclass(frozen=True)
+class ResourceChange:
+    """What one update_resource call changed for one role."""
+
+    role: str
+    added: tuple[str, ...]       # worker names started
+    removed: tuple[str, ...]     # worker names drained and retired
+    workers: tuple[str, ...]     # the role's workers afterwards
+    devices: tuple[int, ...]     # its GPUs afterwards (empty on CPU)
+    strategy: str
+    seconds: float               # the whole change: start, load, drain, retire
+    ready_seconds: float = 0.0   # from the call to the new workers' first task done (0 if none added)
+
+    def __str__(self) -> str:
+        where = f"GPUs {list(self.devices)}" if self.devices else f"{len(self.workers)} CPU workers"
+        return (f"{self.role}: +{list(self.added)} -{list(self.removed)} -> {where}, strategy "
+                f"{self.strategy} ({self.seconds:.1f}s)")
+
+
+@dataclass
+class BoundaryRequest:
+    """An update_resource call waiting for the training thread to apply it between steps."""
+
+    component: str
+    device_ids: Sequence[int] | None
+    strategy: str | None
+    workers: int | None
+    device_type: str | None = None
+
+    def __post_init__(self):
+        self._done = threading.Event()
+        self._result: list[ResourceChange] | None = None
+        self._error: BaseException | None = None
+
+    def finish(self, result: list[ResourceChange]) -> None:
+        self._result = result
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout: float) -> list[ResourceChange]:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"update_resource({self.component!r}): no step boundary within {timeout:.0f}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def requested_spec(config: ResourceConfig, component: str, device_ids: Sequence[int] | None,
+                   strategy: str | None, workers: int | None, device_type: str | None = None) -> RoleSpec:
+    """The role spec an update_resource call asks for; errors name the argument and the fix."""
+    if component not in config.roles:
+        raise ValueError(f"update_resource: unknown component {component!r}. Fix: use one of {sorted(config.roles)}.")
+    current = config.role(component)
+    kind = device_type or current.device_type
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"update_resource: device_type={device_type!r}. Fix: use 'cuda' or 'cpu'.")
+    if kind == "cuda":
+        if workers is not None and device_ids is None:
+            raise ValueError(f"update_resource: {component} runs on GPUs; give device_ids=[...] rather than "
+                             f"workers=, or device_type='cpu' to move it to CPU workers")
+        if device_ids is None and current.device_type != "cuda":
+            raise ValueError(f"update_resource: moving {component} to GPUs needs device_ids=[...]")
+        ids = tuple(current.device_ids if device_ids is None else device_ids)
+        spec = replace(current, device_type="cuda", device_ids=ids, workers=len(ids), placed_with=None)
+    else:
+        if device_ids:
+            raise ValueError(f"update_resource: {component} runs on CPU workers; give workers=N, not device_ids "
+                             f"(or device_type='cuda' to move it to GPUs)")
+        count = workers if workers is not None else (current.workers if current.device_type == "cpu" else 1)
+        spec = replace(current, device_type="cpu", device_ids=(), workers=count, placed_with=None)
+    if spec.workers < 1:
+        raise ValueError(f"update_resource: that would remove the last {component} worker. Fix: keep at least one "
+                         f"device or worker for {component}; move it elsewhere by giving the new one in the same call.")
+    return replace(spec, strategy=strategy or spec.strategy)
+
+
+def apply_config(trainer: HybridTrainer, new_config: ResourceConfig) -> list[ResourceChange]:
+    """Reconcile the live workers of every role the trainer uses with `new_config`."""
+    cluster, timeout = trainer.cluster, new_config.timeout_seconds
+    changes = []
+    for role in trainer.roles:
+        start_time = time.perf_counter()
+        live = {w["name"]: w["address"] for w in cluster.workers_of(role)}
+        current = [spec for name, spec in cluster.specs.items() if name in live]
+        start, retire = plan_change(current, new_config.role(role), cluster.next_index(role))
+        if not start and not retire:
+            continue
+        if role in TRAINABLE:  # every rank of the new group starts from exactly this state
+            trainer.restore_paths[role] = _export(trainer, role, list(live.values()))
+        added = cluster.add_workers(start, timeout) if start else {}
+        _wait_ready(trainer, role, list(added.values()))
+        ready = time.perf_counter() - start_time if added else 0.0
+        removed = [live[w.name] for w in retire]
+        if removed:
+            cluster.drain(removed, role, timeout)
+            cluster.retire(removed)
+        spec = new_config.role(role)
+        change = ResourceChange(role, tuple(sorted(added)), tuple(w.name for w in retire),
+                                tuple(w["name"] for w in cluster.workers_of(role)), spec.device_ids,
+                                spec.strategy, time.perf_counter() - start_time, ready)
+        logger.warning("dask-rl: %s", change)
+        changes.append(change)
+    trainer.resources = new_config
+    return changes
+
+
+def _export(trainer: HybridTrainer, role: str, members: list[str]) -> str:
+    path = f"{trainer.snapshot_dir}/{role}-state-v{trainer.version:06d}.pt"
+    futures = [submit(trainer.client, role, TRAINABLE[role], path, tag=f"resize-r{rank}", workers=[address])
+               for rank, address in enumerate(trainer.group_members(role) or members)]
+    wait_role(trainer.client, futures, role, "exporting its state before a resize", trainer.resources.timeout_seconds)
+    return path
+
+
+def _wait_ready(trainer: HybridTrainer, role: str, addresses: list[str]) -> None:
+    """Block until each new worker has loaded its model (rollout: and the current weights)."""
+    if role == "rollout":
+        futures = [submit(trainer.client, role, rollout.sync_weights, trainer.weights, tag="join", workers=[a])
+                   for a in addresses]
+    else:
+        futures = [submit(trainer.client, role, role_ready, role, tag="join", workers=[a]) for a in addresses]
+    wait_role(trainer.client, futures, role, "new workers to load their model", trainer.resources.timeout_seconds)

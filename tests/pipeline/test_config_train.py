@@ -1,0 +1,147 @@
+"""The `train:` section: strict typed TrainConfig, and whole run files such as the quickstart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import TrainConfig, TrainConfigError, load_run_file, make_train_config
+from resources.config import ResourceConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RESOURCES = """\
+actor:   {device_type: cpu, workers: 1}
+reward:  {device_type: cpu, workers: 1}
+rollout: {device_type: cpu, workers: 1}
+"""
+
+
+def test_known_keys_are_checked_and_applied_over_the_defaults():
+    config = make_train_config({"steps": 3, "actor_lr": 1, "whiten_advantages": False, "algorithm": "grpo",
+                                "samples_per_prompt": 4})
+    assert (config.steps, config.samples_per_prompt, config.whiten_advantages) == (3, 4, False)
+    assert config.actor_lr == 1.0 and isinstance(config.actor_lr, float)  # an int is a fine float
+    assert config.critic_lr == TrainConfig().critic_lr  # untouched keys keep their defaults
+    assert config.samples_per_step == 16 * 4  # default prompts_per_step (16) x samples_per_prompt (4)
+
+
+def test_an_unknown_key_is_rejected_with_a_did_you_mean():
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"stpes": 10})
+    message = str(error.value)
+    assert "unknown training key 'stpes'" in message
+    assert "Did you mean 'steps'?" in message
+    assert "Fix: use one of" in message
+
+
+def test_a_run_input_misspelt_in_the_train_section_suggests_the_input():
+    with pytest.raises(TrainConfigError, match="Did you mean 'prompts'"):
+        make_train_config({"promts": "p.jsonl"})
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("steps", "ten", "train.steps: 'ten' should be an int"),
+    ("steps", True, "train.steps: True should be an int"),   # YAML `true` is not a count
+    ("steps", 2.5, "train.steps: 2.5 should be an int"),
+    ("actor_lr", "1e-3", "train.actor_lr: '1e-3' should be a float"),  # YAML reads 1e-3 as a string
+    ("kl_coef", False, "train.kl_coef: False should be a float"),
+    ("whiten_advantages", 1, "train.whiten_advantages: 1 should be a bool"),
+    ("prompt_column", 3, "train.prompt_column: 3 should be a str"),
+])
+def test_wrong_types_name_the_key_and_an_example(key, value, expected):
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({key: value}, source="run.yaml: train")
+    message = str(error.value)
+    assert message.startswith("run.yaml: train: ") and expected in message
+    assert f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}" in message
+
+
+def test_grpo_needs_at_least_two_samples_per_prompt():
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"algorithm": "grpo", "samples_per_prompt": 1}, source="run.yaml: train")
+    message = str(error.value)
+    assert message.startswith("run.yaml: train: train.samples_per_prompt: 1 is not allowed")
+    assert "use 2 or more" in message
+    assert make_train_config({"algorithm": "ppo", "samples_per_prompt": 1}).samples_per_prompt == 1
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"algorithm": "dpo"}, "algorithm"), ({"steps": 0}, "steps"), ({"max_staleness": -1}, "max_staleness"),
+    ({"dtype": "fp8"}, "dtype"), ({"micro_batch_size": 0}, "micro_batch_size"),
+])
+def test_out_of_range_values_are_rejected(values, key):
+    with pytest.raises(TrainConfigError, match=f"train.{key}: .* is not allowed. Fix: "):
+        make_train_config(values)
+
+
+def test_the_quickstart_run_file():
+    run = load_run_file(EXAMPLES / "quickstart.yaml")
+    assert set(run.resources.roles) == {"actor", "critic", "reference", "reward", "rollout"}
+    for role, spec in run.resources.roles.items():
+        assert (spec.device_type, spec.device_ids, spec.workers) == ("cpu", (), 1), role
+    assert run.resources.role("rollout").strategy == "hf"
+    assert run.resources.timeout_seconds == 180.0
+    assert run.train == TrainConfig(algorithm="ppo", steps=40, prompts_per_step=32, max_new_tokens=12,
+                                    actor_lr=0.001, critic_lr=0.001, kl_coef=0.01, ppo_epochs=2,
+                                    micro_batch_size=32, seed=0)
+    assert run.inputs["actor_model"] == "tiny"
+    assert run.inputs["reward_function"] == "pipeline.rewards:digit_fraction"
+    # `prompts` is relative to the run file, not to the directory the command ran in.
+    assert Path(run.inputs["prompts"]) == (EXAMPLES / "quickstart_prompts.jsonl").resolve()
+    assert Path(run.inputs["prompts"]).is_absolute()
+
+
+def test_prompts_resolve_relative_to_the_run_file_from_any_directory(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "run.yaml").write_text(RESOURCES + "train: {prompts: data/p.jsonl, steps: 2}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = load_run_file("../run.yaml")
+    assert run.inputs["prompts"] == str((tmp_path / "data" / "p.jsonl").resolve())
+    assert run.train.steps == 2
+
+
+def test_a_typo_in_the_train_section_fails_naming_the_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + "train:\n  steps: 5\n  kl_coeff: 0.1\n")
+    with pytest.raises(TrainConfigError) as error:
+        load_run_file(path)
+    message = str(error.value)
+    assert str(path) in message
+    assert "'kl_coeff'" in message and "Did you mean 'kl_coef'?" in message
+
+
+def test_a_bad_value_in_the_train_section_names_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + "train: {algorithm: grpo, samples_per_prompt: 1}\n")
+    with pytest.raises(TrainConfigError, match=f"^{path}: train: train.samples_per_prompt: 1 is not allowed"):
+        load_run_file(path)
+
+
+def test_a_train_section_that_is_not_a_mapping_is_an_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + "train: [steps, 5]\n")
+    with pytest.raises(TrainConfigError, match="train: .* is not a mapping"):
+        load_run_file(path)
+
+
+def test_a_key_written_twice_is_an_error_not_last_wins(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + "train:\n  steps: 5\n  steps: 50\n")
+    with pytest.raises(ResourceConfigError, match="duplicate key 'steps'"):
+        load_run_file(path)
+
+
+def test_a_bad_resource_key_in_a_run_file_fails_before_the_train_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES.replace("reward:  {device_type", "reward:  {device_typ") + "train: {stepz: 1}\n")
+    with pytest.raises(ResourceConfigError, match=r"reward\.device_typ: unknown key"):
+        load_run_file(path)
+
+
+def test_a_missing_run_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_run_file(tmp_path / "nope.yaml")

@@ -1,0 +1,140 @@
+"""Prompt sources (list, JSONL, Parquet, datasets.Dataset) and the shuffled prompt stream."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.data import PromptStream, read_prompts
+
+TEXTS = ["what is 1 plus 2? ", "what is 3 minus 1? ", "say 7: "]
+
+
+def test_read_prompts_from_a_list_of_strings():
+    assert read_prompts(list(TEXTS)) == TEXTS
+    assert read_prompts(tuple(TEXTS)) == TEXTS
+
+
+def test_read_prompts_from_a_list_of_dicts_uses_the_column():
+    rows = [{"question": t, "answer": str(i)} for i, t in enumerate(TEXTS)]
+    assert read_prompts(rows, column="question") == TEXTS
+    assert read_prompts(rows, column="answer") == ["0", "1", "2"]
+
+
+def test_read_prompts_from_jsonl_skips_blank_lines(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": t, "id": i}) for i, t in enumerate(TEXTS)) + "\n\n")
+    assert read_prompts(path) == TEXTS
+    assert read_prompts(str(path)) == TEXTS  # str and PathLike both work
+
+
+def test_read_prompts_from_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"text": TEXTS, "n": [1, 2, 3]}), path)
+    assert read_prompts(path, column="text") == TEXTS
+
+
+def test_read_prompts_from_a_datasets_dataset():
+    datasets = pytest.importorskip("datasets")
+    dataset = datasets.Dataset.from_dict({"prompt": TEXTS, "label": [0, 1, 0]})
+    assert read_prompts(dataset) == TEXTS
+
+
+@pytest.mark.parametrize("kind", ["dicts", "jsonl", "parquet", "dataset"])
+def test_a_missing_column_names_the_column_and_prompt_column(kind, tmp_path):
+    rows = [{"question": t} for t in TEXTS]
+    if kind == "dicts":
+        source = rows
+    elif kind == "jsonl":
+        source = tmp_path / "p.jsonl"
+        source.write_text("\n".join(json.dumps(r) for r in rows))
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        source = tmp_path / "p.parquet"
+        pq.write_table(pa.table({"question": TEXTS}), source)
+    else:
+        source = pytest.importorskip("datasets").Dataset.from_dict({"question": TEXTS})
+    with pytest.raises(KeyError) as error:
+        read_prompts(source, column="prompt")
+    message = str(error.value)
+    assert "'prompt'" in message and "prompt_column" in message
+
+
+def test_unknown_sources_are_rejected(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
+    (tmp_path / "p.csv").write_text("prompt\nhi\n")
+    with pytest.raises(ValueError, match=r"\.jsonl or \.parquet"):
+        read_prompts(tmp_path / "p.csv")
+    with pytest.raises(TypeError, match="prompts must be"):
+        read_prompts(42)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[i + 2, i + 3] for i in range(n)]  # distinct non-empty token lists
+
+
+def _epoch(stream: PromptStream, n: int) -> list[int]:
+    batch, _ = stream.next_batch(n)
+    return [ids[0] - 2 for ids in batch]  # back to the prompt index
+
+
+def test_each_epoch_is_a_shuffled_permutation():
+    n = 10
+    stream = PromptStream(_prompts(n), seed=3)
+    epochs = [_epoch(stream, n) for _ in range(4)]
+    for order in epochs:
+        assert sorted(order) == list(range(n))  # every prompt exactly once per epoch
+    assert all(order != list(range(n)) for order in epochs)  # shuffled, not in file order
+    assert len({tuple(order) for order in epochs}) == 4  # a new order each epoch
+
+
+def test_batches_that_straddle_epochs_keep_each_epoch_a_permutation():
+    n = 7
+    whole = PromptStream(_prompts(n), seed=1)
+    reference = _epoch(whole, 3 * n)
+    pieces = PromptStream(_prompts(n), seed=1)
+    drawn = [i for size in (3, 5, 2, 4, 7) for i in _epoch(pieces, size)]
+    assert drawn == reference  # batch sizes do not change the order
+    for e in range(3):
+        assert sorted(drawn[e * n:(e + 1) * n]) == list(range(n))
+
+
+def test_the_stream_is_deterministic_by_seed():
+    n = 12
+    first = _epoch(PromptStream(_prompts(n), seed=5), 2 * n)
+    again = _epoch(PromptStream(_prompts(n), seed=5), 2 * n)
+    other = _epoch(PromptStream(_prompts(n), seed=6), 2 * n)
+    assert first == again
+    assert first != other
+
+
+def test_draw_ids_are_unique_and_count_up():
+    stream = PromptStream(_prompts(4), seed=0)
+    ids = [d for size in (3, 3, 5) for d in stream.next_batch(size)[1]]
+    assert ids == list(range(11))  # unique across epochs, so GRPO groups never merge
+    assert stream.position == 11
+
+
+def test_empty_prompts_are_errors():
+    with pytest.raises(ValueError, match="no prompts"):
+        PromptStream([], seed=0)
+    with pytest.raises(ValueError, match=r"prompts \[1\] encode to no tokens"):
+        PromptStream([[5], [], [6]], seed=0)
+
+
+def test_an_empty_prompt_text_is_caught_once_encoded(tiny_model):
+    from pipeline.data import encode_prompts
+    from pipeline.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    ids = encode_prompts(tokenizer, ["ab", ""])
+    assert ids[0] == [2, 3]  # the char tokenizer: pad=0, eos=1, then 'a', 'b', ...
+    with pytest.raises(ValueError, match="encode to no tokens"):
+        PromptStream(ids, seed=0)
