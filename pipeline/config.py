@@ -48,6 +48,10 @@ class TrainConfig:
     prompt_column: str = "prompt"     # column holding the prompt text in JSONL/Parquet/datasets
     dtype: str = "float32"            # model dtype on the workers (bfloat16 on GPUs)
     log_every: int = 1
+    # How new weights reach rollout workers: "auto" (CUDA IPC when they share the actor's GPU,
+    # shared memory on the same host, a broadcast group to other hosts), or force one of
+    # "shm", "cuda_ipc", "broadcast", "dask" (the slow fallback through Dask transfers).
+    weight_sync: str = "auto"
 
     def __post_init__(self):
         checks = {
@@ -60,6 +64,8 @@ class TrainConfig:
             "micro_batch_size": (self.micro_batch_size >= 1, "use a positive number"),
             "mini_batches": (self.mini_batches >= 1, "use a positive number"),
             "dtype": (self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16"),
+            "weight_sync": (self.weight_sync in ("auto", "shm", "cuda_ipc", "broadcast", "dask"),
+                            "use auto, shm, cuda_ipc, broadcast or dask"),
         }
         for key, (ok, fix) in checks.items():
             if not ok:

@@ -27,6 +27,7 @@ from pipeline.roles import actor, critic, reference, reward, rollout
 from pipeline.roles.host import RoleHost, plugin_name
 from pipeline.roles.training import GroupInfo
 from pipeline.tasks import submit, wait_role
+from pipeline.weight_routes import WeightRoutes
 from resources.cluster import RoleCluster, live_workers
 from resources.config import ResourceConfig
 from resources.plan import plan_workers
@@ -59,13 +60,16 @@ class HybridTrainer:
         critic_model / reference_model: default to the actor's initial weights.
         tokenizer: the policy's tokenizer, if it is not saved beside `actor_model`.
         cluster: an existing RoleCluster to run on (tests share one); else one is started.
+        scheduler_address: join a running scheduler (`dask-rl scheduler`) whose role workers
+            were started with `dask-rl worker` instead of starting a local cluster.
         **train: any TrainConfig field (steps=..., prompts_per_step=..., ...).
     """
 
     def __init__(self, actor_model: Any, reward_model: Any, config: ResourceConfig,
                  algorithm: str = "ppo", prompts: Any = None, *, critic_model: Any = None,
                  reference_model: Any = None, tokenizer: Any = None, output_dir: str | None = None,
-                 cluster: RoleCluster | None = None, dashboard_address: str = ":8787",
+                 cluster: RoleCluster | None = None, scheduler_address: str | None = None,
+                 dashboard_address: str = ":8787",
                  show_progress: bool = True, **train: Any):
         self.train_config: TrainConfig = make_train_config({"algorithm": algorithm, **train})
         self.resources = config
@@ -92,8 +96,11 @@ class HybridTrainer:
         self._train_thread: threading.Thread | None = None
         self.roles = roles = self._roles()
         workers = [w for w in plan_workers(config) if w.role in roles]
+        if cluster is None and scheduler_address is not None:
+            cluster = RoleCluster.connect(scheduler_address, self.roles, timeout=config.timeout_seconds)
         self.cluster = cluster or RoleCluster(workers, dashboard_address=dashboard_address)
         self.client = self.cluster.client
+        self.routes = WeightRoutes(self.cluster, self.train_config.weight_sync, config.timeout_seconds)
         self._register_roles(roles, reward_model, critic_model, reference_model)
         print(f"dask-rl: dashboard at {self.cluster.dashboard_link}", flush=True)
 
@@ -273,7 +280,8 @@ class HybridTrainer:
         policy_step = actor.PolicyStep(
             clip_ratio=tc.clip_ratio, kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
             temperature=tc.temperature, micro_batch_size=tc.micro_batch_size, epochs=tc.ppo_epochs,
-            is_cap=tc.is_cap, normalizers=normalizers, next_version=self.version + 1, snapshot_dir=self.snapshot_dir)
+            is_cap=tc.is_cap, normalizers=normalizers, next_version=self.version + 1, snapshot_dir=self.snapshot_dir,
+            transport=self.routes.publish_transport())
         futures = self._rank_tasks("actor", actor.update, experience, rows, actor_workers, policy_step)
         if tc.algorithm == "ppo":
             critic_workers = self._role_addresses("critic")
@@ -291,6 +299,7 @@ class HybridTrainer:
             losses.update(critic_losses)
         self.weights = results[0][1]
         self.version = self.weights.version
+        self.routes.after_publish(self.weights, actor_workers[0])
         return _normalise_stats(losses, tc.ppo_epochs * tc.mini_batches)
 
     def _rank_tasks(self, role, fn, experience, rows, workers, step) -> list:

@@ -56,6 +56,7 @@ class WeightHandle:
     ipc: tuple | None = None   # "cuda_ipc": (layout, ((rebuild_fn, args), ...) one per dtype buffer)
     pid: int = 0               # the publishing process ("cuda_ipc": a reader in it clones directly)
     device_uuid: str = ""      # "cuda_ipc": the GPU the buffers live on
+    address: str = ""          # Dask address of the publishing worker (the fallback fetches from it)
 
 
 def default_snapshot_dir(run_id: str) -> Path:

@@ -8,6 +8,7 @@ installed; CPU workers are plain distributed workers, so the CPU path needs no N
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Iterable
 
@@ -97,7 +98,14 @@ def _executing_count(dask_worker=None) -> int:
 
 
 class RoleCluster:
-    """A local Dask cluster with role-tagged workers, and the client the trainer uses."""
+    """A local Dask cluster with role-tagged workers, and the client the trainer uses.
+
+    `RoleCluster(workers)` starts its own scheduler and workers; `RoleCluster.connect(address)`
+    joins a running scheduler (`dask-rl scheduler`) whose workers other hosts started with
+    `dask-rl worker`. Both offer the same methods to the trainer.
+    """
+
+    launcher = None  # connected mode: the LocalLauncher of workers add_workers started here
 
     def __init__(self, workers: Iterable[WorkerSpec], *, dashboard_address: str = ":8787",
                  scheduler_address: str = "127.0.0.1", silence_logs: int = logging.WARNING):
@@ -110,6 +118,57 @@ class RoleCluster:
             scheduler=scheduler, silence_logs=silence_logs, name="dask-rl",
         )
         self.client = Client(self.cluster, direct_to_workers=True)
+
+    @classmethod
+    def connect(cls, address: str, roles: Iterable[str] = (), timeout: float = 180.0) -> RoleCluster:
+        """Join the scheduler at `address` and wait until every role in `roles` has a worker.
+
+        No scheduler and no worker is started: the workers are `dask-rl worker` processes
+        (or `dask cuda worker --resources ROLE=1`) on any host. add_workers still works and
+        starts workers on this host; close() stops those and leaves the scheduler and the
+        remote workers running. `specs` holds only the workers this object started, so
+        update_resource never retires a worker some other host owns.
+        """
+        from resources.launcher import LocalLauncher  # imports this module
+
+        configure_dask()
+        self = cls.__new__(cls)  # no SpecCluster: __init__ would start one
+        self.specs, self.cluster = {}, None
+        try:
+            self.client = Client(address, timeout=timeout, direct_to_workers=True)
+        except OSError as error:
+            raise ConnectionError(f"could not reach a Dask scheduler at {address} within {timeout:.0f}s ({error}). "
+                                  f"Fix: start one with `dask-rl scheduler` and check the host and port") from error
+        self.launcher = LocalLauncher(self.client)
+        try:
+            self._wait_for_roles(tuple(roles), timeout)
+        except BaseException:
+            self.client.close()
+            raise
+        return self
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.client.scheduler.address
+
+    def _wait_for_roles(self, roles: tuple[str, ...], timeout: float) -> None:
+        deadline, announced = time.monotonic() + timeout, False
+        while True:
+            resources = [w["resources"] for w in live_workers(self.client).values()]
+            missing = [role for role in roles if not any(r.get(role) for r in resources)]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                commands = "; ".join(f"`dask-rl worker {self.scheduler_address} --role {role}`" for role in missing)
+                raise TimeoutError(
+                    f"no live worker for role(s) {missing} on the scheduler at {self.scheduler_address} after "
+                    f"{timeout:.0f}s (timeout_seconds). Fix: start one per role on a host with the devices: "
+                    f"{commands}, adding --device-ids N for a GPU worker")
+            if not announced:
+                logger.warning("dask-rl: waiting up to %.0fs for workers of role(s) %s to join %s",
+                               timeout, missing, self.scheduler_address)
+                announced = True
+            time.sleep(0.25)
 
     @property
     def dashboard_link(self) -> str:
@@ -125,8 +184,14 @@ class RoleCluster:
         )
 
     def next_index(self, role: str) -> int:
-        """The first unused k for a new "{role}-{k}" worker name (names are never reused)."""
-        taken = [int(name.rsplit("-", 1)[1]) for name, spec in self.specs.items() if spec.role == role]
+        """The first unused k for a new "{role}-{k}" worker name (names are never reused).
+
+        Live workers count too: on a shared scheduler another host may have taken "reward-3".
+        """
+        pattern = re.compile(rf"{re.escape(role)}-(\d+)")
+        names = [*(name for name, spec in self.specs.items() if spec.role == role),
+                 *(str(w["name"]) for w in self.workers_of(role))]
+        taken = [int(m.group(1)) for m in map(pattern.fullmatch, names) if m]
         return max(taken, default=-1) + 1
 
     def add_workers(self, workers: Iterable[WorkerSpec], timeout: float) -> dict[str, str]:
@@ -138,8 +203,12 @@ class RoleCluster:
         workers = list(workers)
         for worker in workers:
             self.specs[worker.name] = worker
-            self.cluster.worker_spec[worker.name] = dask_worker_spec(worker)
-        self.cluster.sync(self.cluster._correct_state)
+            if self.cluster is not None:
+                self.cluster.worker_spec[worker.name] = dask_worker_spec(worker)
+        if self.launcher is not None:  # connected: Nannies on this host, pointed at the remote scheduler
+            self.launcher.start(workers, timeout)
+        else:
+            self.cluster.sync(self.cluster._correct_state)
         return self._wait_for_names({w.name for w in workers}, timeout)
 
     def _wait_for_names(self, names: set[str], timeout: float) -> dict[str, str]:
@@ -169,16 +238,30 @@ class RoleCluster:
             time.sleep(0.1)
 
     def retire(self, addresses: list[str]) -> None:
-        """Retire drained workers (Dask moves any results they hold) and forget their specs."""
+        """Retire drained workers (Dask moves any results they hold) and forget their specs.
+
+        Any worker can be retired, wherever it runs: with close_workers=True the worker
+        tells its Nanny to close rather than restart it, so the process ends (and a
+        `dask-rl worker` process exits once all of its workers are gone).
+        """
         info = live_workers(self.client)
         names = [info[addr]["name"] for addr in addresses if addr in info]
         self.client.retire_workers(workers=addresses, close_workers=True)
         for name in names:
             self.specs.pop(name, None)
-            self.cluster.worker_spec.pop(name, None)
-        self.cluster.sync(self.cluster._correct_state)
+            if self.cluster is not None:
+                self.cluster.worker_spec.pop(name, None)
+        if self.launcher is not None:
+            self.launcher.stop(names)
+        else:
+            self.cluster.sync(self.cluster._correct_state)
 
     def close(self) -> None:
+        """Stop what this object started; a connected one leaves the scheduler running."""
+        if self.launcher is not None:
+            self.launcher.close()  # first: its Nannies run on the client's event loop
+            self.client.close()
+            return
         self.client.close()
         self.cluster.close()
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
+from distributed import get_worker
 
 from pipeline import weights
 from pipeline.algorithms import importance_weights, kl_loss, policy_loss
@@ -28,6 +30,7 @@ class PolicyStep:
     normalizers: tuple[float, ...]   # global valid-token count of each mini-batch
     next_version: int                # the version the updated weights are published as
     snapshot_dir: str
+    transport: str = "shm"           # how rank 0 publishes: "shm", "cuda_ipc" or "dask" (see weights.py)
 
 
 class ActorRole:
@@ -60,8 +63,10 @@ class ActorRole:
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
         state = self.trainer.full_state_dict()   # collective under FSDP: every rank calls it
-        handle = weights.publish(state, step.next_version, step.snapshot_dir) if state is not None else None
-        return totals, handle
+        if state is None:
+            return totals, None
+        handle = weights.publish(state, step.next_version, step.snapshot_dir, transport=step.transport)
+        return totals, dataclasses.replace(handle, address=get_worker().address)
 
     @torch.no_grad()
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:

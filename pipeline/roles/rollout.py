@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import torch
 
 from pipeline import weights
@@ -35,9 +37,23 @@ class RolloutRole:
         """Load `handle`'s weights unless this worker already holds that version."""
         if handle is None or handle.version == self.version:
             return
+        if snapshot is None and handle.transport != "cuda_ipc" and (
+                handle.transport == "dask" or not weights.is_local(handle)):
+            snapshot = _fetch_through_dask(handle)
         state = weights.receive(handle, snapshot)
         self.engine.load_state_dict(state)
         self.version = handle.version
+
+
+def _fetch_through_dask(handle: weights.WeightHandle) -> bytes:
+    """The fallback for a reader on another host: the snapshot's bytes, worker to worker
+    from the publishing actor worker (never through the scheduler)."""
+    from distributed import worker_client
+
+    with worker_client() as client:  # secedes: this thread waits without holding a slot
+        future = client.submit(weights.fetch_snapshot, handle, resources={"actor": 1}, workers=[handle.address],
+                               key=f"actor-fetch-snapshot-v{handle.version}-{uuid.uuid4().hex[:8]}", pure=False)
+        return future.result()
 
 
 def generate(request: GenerationRequest, handle: weights.WeightHandle | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -82,3 +83,26 @@ def test_generation_changes_after_updates(shared_cluster, shared_config, tiny_mo
     digits = torch.tensor(trainer.tokenizer.convert_tokens_to_ids(list("0123456789")))
     share = lambda r: torch.isin(r.responses, digits)[r.response_mask.bool()].float().mean()  # noqa: E731
     assert share(after) > share(before)
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "dask"])
+def test_weights_reach_rollout_workers_by_broadcast_and_by_the_dask_fallback(mode, shared_cluster, shared_config,
+                                                                             tiny_model, prompts):
+    shared_cluster.client.register_plugin(RestrictionLog())
+    trainer = HybridTrainer(tiny_model, digit_fraction, shared_config, algorithm="grpo", prompts=prompts,
+                            cluster=shared_cluster, steps=2, samples_per_prompt=2, weight_sync=mode, **SMALL)
+    records = trainer.train()
+    assert [r.staleness for r in records] == [0.0, 0.0]
+    client = shared_cluster.client
+    held = [submit(client, "rollout", rollout.policy_version, workers=[w["address"]]).result()
+            for w in shared_cluster.workers_of("rollout")]
+    # A broadcast loads every rollout worker right after each update; the fallback loads
+    # lazily, at the next generation (the second batch was generated with version 1).
+    assert held == ([2, 2] if mode == "broadcast" else [1, 1])
+    # The path really taken, from the scheduler's record of the tasks that ran.
+    keys = list(client.run_on_scheduler(_logged_restrictions))
+    started = lambda prefix: any(k.startswith(prefix) for k in keys)  # noqa: E731
+    if mode == "broadcast":
+        assert started("actor-send-weights-v1") and started("rollout-receive-weights-v1-r2")
+    else:
+        assert started("actor-fetch-snapshot-v1")

@@ -1,0 +1,72 @@
+"""Driver side of weight sync: how each new policy version reaches the rollout workers.
+
+On the actor's host, readers take the published snapshot directly: CUDA IPC when they share
+the actor's GPU, else the shared-memory file. Rollout workers on other hosts join a
+broadcast group with actor rank 0 after each publish (NCCL on GPUs, gloo on CPU). The
+Dask transfer is the fallback a reader uses by itself when neither reached it.
+"""
+
+from __future__ import annotations
+
+from pipeline import weights
+from pipeline.roles import sync
+from pipeline.tasks import wait_role
+from resources.cluster import RoleCluster
+
+
+class WeightRoutes:
+    def __init__(self, cluster: RoleCluster, mode: str, timeout_seconds: float):
+        self.cluster = cluster
+        self.mode = mode
+        self.timeout = timeout_seconds
+        self._channel: tuple[tuple[str, ...], str] | None = None   # (members, init_method)
+        self._layout: weights.Layout | None = None
+
+    def publish_transport(self) -> str:
+        """How actor rank 0 publishes this step's weights."""
+        if self.mode in ("shm", "cuda_ipc", "dask"):
+            return self.mode
+        if self.mode == "auto" and self._share_actor_gpu():
+            return "cuda_ipc"
+        return "shm"
+
+    def _share_actor_gpu(self) -> bool:
+        actor, readers = self._actor(), self.cluster.workers_of("rollout")
+        specs = self.cluster.specs
+        actor_spec = specs.get(actor["name"])
+        if actor_spec is None or actor_spec.device_type != "cuda":
+            return False
+        return all(w["host"] == actor["host"] and w["name"] in specs
+                   and specs[w["name"]].device_id == actor_spec.device_id for w in readers)
+
+    def _actor(self) -> dict:
+        return self.cluster.workers_of("actor")[0]
+
+    def after_publish(self, handle: weights.WeightHandle, actor_address: str) -> None:
+        """Broadcast `handle`'s version to the rollout workers that cannot read it locally."""
+        actor_host = {w["address"]: w["host"] for w in self.cluster.workers_of("actor")}[actor_address]
+        readers = self.cluster.workers_of("rollout")
+        targets = [w["address"] for w in readers if self.mode == "broadcast" or
+                   (self.mode == "auto" and w["host"] != actor_host)]
+        if not targets:
+            return
+        client = self.cluster.client
+        members = (actor_address, *targets)
+        if self._channel is None or self._channel[0] != members:
+            # New membership: a new rendezvous (fresh port) and a new group.
+            from pipeline.trainer import _free_port
+
+            port = client.run(_free_port, workers=[actor_address])[actor_address]
+            self._channel = (members, f"tcp://{actor_host}:{port}")
+        if self._layout is None:
+            self._layout = client.submit(sync.weight_layout, resources={"actor": 1}, workers=[actor_address],
+                                         pure=False).result(timeout=self.timeout)
+        backend = "nccl" if handle.transport == "cuda_ipc" or self._on_gpu(actor_address) else "gloo"
+        futures = sync.broadcast_weights(client, handle.version, self._layout, actor_address, targets,
+                                         self._channel[1], backend, self.timeout)
+        wait_role(client, futures, "rollout", f"the broadcast of weights v{handle.version}", self.timeout)
+
+    def _on_gpu(self, address: str) -> bool:
+        name = {w["address"]: w["name"] for w in self.cluster.workers_of("actor")}[address]
+        spec = self.cluster.specs.get(name)
+        return spec is not None and spec.device_type == "cuda"

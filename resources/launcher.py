@@ -1,0 +1,72 @@
+"""Start role workers for a scheduler this process does not own.
+
+`dask-rl worker` and a RoleCluster connected to a remote scheduler both start workers the
+same way SpecCluster does: one Nanny per worker, built from the same options
+(cluster.dask_worker_spec), so a worker joining from another host is configured exactly
+like one started by the trainer. The Nanny keeps a crashed worker restarted; a worker the
+scheduler retires tells its Nanny to close instead, so retiring ends the process for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Iterable
+
+from distributed import Client, Nanny
+
+from resources.cluster import dask_worker_spec
+from resources.plan import WorkerSpec
+
+
+async def start_nannies(scheduler_address: str, workers: Iterable[WorkerSpec]) -> dict[str, Nanny]:
+    """Start one Nanny-managed worker process per spec; returns name -> Nanny once all joined.
+
+    A Nanny's start returns after its worker registered with the scheduler and ran every
+    worker plugin's setup, i.e. after a role worker has loaded its model. If one fails to
+    start, the ones already started are closed again and the error is raised.
+    """
+    nannies = {w.name: Nanny(scheduler_address, **dask_worker_spec(w)["options"]) for w in workers}
+    results = await asyncio.gather(*nannies.values(), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        await close_nannies(nannies.values())
+        raise errors[0]
+    return nannies
+
+
+async def close_nannies(nannies: Iterable[Nanny], timeout: float = 10) -> None:
+    """Close Nannies and their workers; a Nanny that is already closed is fine."""
+    await asyncio.gather(*(n.close(timeout=timeout, reason="dask-rl-close") for n in nannies),
+                         return_exceptions=True)
+
+
+class LocalLauncher:
+    """Nannies on this host for a remote scheduler, run on a Client's event loop.
+
+    RoleCluster.connect has no SpecCluster to start workers with, so add_workers goes
+    through this: it tracks what it started, so that close() stops exactly those workers
+    and never touches the scheduler or anybody else's workers.
+    """
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.nannies: dict[str, Nanny] = {}
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.client.scheduler.address
+
+    def start(self, workers: list[WorkerSpec], timeout: float) -> None:
+        started = self.client.sync(start_nannies, self.scheduler_address, workers, callback_timeout=timeout)
+        self.nannies.update(started)
+
+    def stop(self, names: Iterable[str]) -> None:
+        """Close the Nannies started for `names` (no-op for names started elsewhere)."""
+        nannies = [self.nannies.pop(name) for name in names if name in self.nannies]
+        if nannies:
+            self.client.sync(close_nannies, nannies)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # the loop may already be gone at interpreter exit
+            self.stop(list(self.nannies))
