@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -62,6 +63,20 @@ def role_busy(client, start: float, stop: float) -> dict[str, float]:
     return busy
 
 
+def _cpu_seconds() -> float:
+    """Runs on a worker: CPU seconds its process has used (user + system)."""
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def role_cpu(cluster) -> dict[str, float]:
+    """CPU seconds used so far by each role's worker processes (contention does not inflate it)."""
+    used = cluster.client.run(_cpu_seconds)
+    return {role: sum(used.get(w["address"], 0.0) for w in cluster.workers_of(role)) for role in ROLES}
+
+
 def wait_idle(client, timeout: float = 300.0) -> None:
     """Until no worker runs or holds a task (the previous setting's leftovers end)."""
     deadline = time.monotonic() + timeout
@@ -81,9 +96,11 @@ def run_setting(cluster, run, model_dir: str, reward_fn, train: dict, staleness:
         try:
             for _ in range(args.warmup):
                 trainer.step()
+            cpu_before, load_before = role_cpu(cluster), os.getloadavg()[0]
             start = time.time()
             records = [trainer.step() for _ in range(args.steps)]
             stop = time.time()
+            cpu_after, load_after = role_cpu(cluster), os.getloadavg()[0]
         finally:
             trainer._pending.clear()   # drop the batches still in flight; their futures are released
             shutil.rmtree(trainer.snapshot_dir, ignore_errors=True)
@@ -100,6 +117,9 @@ def run_setting(cluster, run, model_dir: str, reward_fn, train: dict, staleness:
         "tokens_per_s": sum(r.tokens for r in records) / wall,
         "idle": {role: 1.0 - busy[role] / (wall * workers[role]) for role in ROLES},
         "busy_per_step_s": {role: busy[role] / len(records) for role in ROLES},
+        # CPU seconds per step of each role's processes: the work itself, whatever else runs.
+        "cpu_per_step_s": {role: (cpu_after[role] - cpu_before[role]) / len(records) for role in ROLES},
+        "loadavg_1min": [load_before, load_after],
         "phases_s": phases,
         "staleness_seen": sorted({r.staleness for r in records}),
         "reward_mean": statistics.fmean(r.reward_mean for r in records),
@@ -150,6 +170,7 @@ def main(argv=None) -> int:
         print(json.dumps(_rounded({
             "summary": staleness, "step_s": spread([r["step_s"] for r in runs]),
             "tokens_per_s": spread([r["tokens_per_s"] for r in runs]),
+            "cpu_per_step_s": spread([sum(r["cpu_per_step_s"].values()) for r in runs]),
             "idle": {role: spread([r["idle"][role] for r in runs]) for role in ROLES}})), flush=True)
     if 0 in results:
         # The synchronous step, phase by phase: the rollout side (generate, then score) and the
@@ -159,10 +180,14 @@ def main(argv=None) -> int:
         score = statistics.fmean(r["phases_s"]["wait_scores"] for r in sync)
         update = statistics.fmean(r["phases_s"]["update"] for r in sync)
         step = statistics.fmean(r["step_s"] for r in sync)
+        cpu = statistics.fmean(sum(r["cpu_per_step_s"].values()) for r in sync)
         line = {"sync_phases": {"rollout_s": generate, "scoring_s": score, "update_s": update, "step_s": step},
                 "ideal_max_rollout_update_s": max(generate, update),
                 "ideal_max_rollout_plus_scoring_update_s": max(generate + score, update),
-                "sum_s": generate + score + update}
+                "sum_s": generate + score + update,
+                # With fewer cores than busy roles, overlap cannot beat the CPU work / cores.
+                "cpu_work_per_step_s": cpu, "cores": os.cpu_count(),
+                "cpu_bound_s": cpu / (os.cpu_count() or 1)}
         for staleness, runs in results.items():
             if staleness:
                 line[f"staleness_{staleness}_step_s"] = statistics.fmean(r["step_s"] for r in runs)

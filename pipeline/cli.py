@@ -1,4 +1,5 @@
-"""`dask-rl run FILE` trains from a run file; `dask-rl worker` joins a running training."""
+"""`dask-rl run FILE` trains from a run file; `dask-rl worker` joins a running training;
+`dask-rl scheduler` runs a scheduler that trainers and workers on other hosts join."""
 
 from __future__ import annotations
 
@@ -17,12 +18,87 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--steps", type=int, help="override train.steps")
     run.add_argument("--output-dir", help="where models, snapshots and the metrics log go")
     run.add_argument("--dashboard-address", default=":8787")
+    _add_cluster_commands(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "run":
         return run_file(args.file, steps=args.steps, output_dir=args.output_dir,
                         dashboard_address=args.dashboard_address)
+    if args.command == "worker":
+        return run_worker(args)
+    if args.command == "scheduler":
+        return run_scheduler(args)
     return 2
+
+
+def _add_cluster_commands(commands) -> None:
+    """`dask-rl worker` and `dask-rl scheduler`: a training spread over several hosts."""
+    worker = commands.add_parser(
+        "worker", help="join a scheduler as role workers: one per GPU, or --workers N on CPU",
+        description="Join a running scheduler (`dask-rl scheduler` or a trainer's own) as role-tagged workers.")
+    worker.add_argument("address", help="the scheduler, e.g. tcp://host-a:8786")
+    worker.add_argument("--role", required=True, help="actor, critic, reference, reward or rollout")
+    worker.add_argument("--device-ids", type=int, nargs="+", metavar="ID",
+                        help="GPUs (NVML index) to start one worker each on; leave out for CPU workers")
+    worker.add_argument("--workers", type=int, help="number of CPU workers (default 1; not with --device-ids)")
+    worker.add_argument("--name", help="worker name (default {role}-{hostname}-gpu{id} or {role}-{hostname}-{k})")
+    worker.add_argument("--nthreads", type=int, default=1, help=argparse.SUPPRESS)
+    worker.add_argument("--allow-busy", action="store_true", help="start even on a GPU NVML reports busy")
+    worker.add_argument("--timeout", type=float, default=30.0, help="seconds to reach the scheduler")
+    scheduler = commands.add_parser("scheduler", help="run a scheduler for trainers and `dask-rl worker`s to join",
+                                    description="A Dask scheduler with dask-rl's settings.")
+    scheduler.add_argument("--host", help="interface address to listen on (default: all)")
+    scheduler.add_argument("--port", type=int, default=8786)
+    scheduler.add_argument("--dashboard-address", default=":8787")
+    scheduler.add_argument("--preload", action="append", default=[], help="module to import in the scheduler")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """`dask-rl worker ADDRESS --role ROLE [...]`: blocks until Ctrl-C or until retired."""
+    from resources.worker import WorkerStartError, start_role_worker
+
+    if args.device_ids and args.workers is not None:
+        print("dask-rl worker: --workers is for CPU workers; with --device-ids it is one worker per GPU",
+              file=sys.stderr)
+        return 2
+    try:
+        start_role_worker(args.address, args.role, args.device_ids, name=args.name, nthreads=args.nthreads,
+                          workers=args.workers or 1, allow_busy=args.allow_busy, timeout=args.timeout)
+    except WorkerStartError as error:
+        print(f"dask-rl worker: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    """`dask-rl scheduler`: a distributed Scheduler with the project's Dask settings."""
+    import asyncio
+
+    from distributed import Scheduler
+    from distributed._signals import wait_for_signals
+    from distributed.utils import format_dashboard_link
+
+    from resources.cluster import configure_dask
+
+    configure_dask()  # worker-ttl and the other scheduler-side settings must be set before it starts
+
+    async def serve() -> None:
+        async with Scheduler(host=args.host, port=args.port, dashboard_address=args.dashboard_address,
+                             preload=args.preload or None) as scheduler:
+            print(f"dask-rl: scheduler at {scheduler.address}", flush=True)
+            if "dashboard" in scheduler.services:
+                link = format_dashboard_link(scheduler.address.split("://")[1].rsplit(":", 1)[0],
+                                             scheduler.services["dashboard"].port)
+                print(f"dask-rl: dashboard at {link}", flush=True)
+            print(f"dask-rl: join it with `dask-rl worker {scheduler.address} --role ROLE [--device-ids N]` "
+                  f"and HybridTrainer(..., scheduler_address={scheduler.address!r})", flush=True)
+            signalled = asyncio.ensure_future(wait_for_signals())
+            await asyncio.wait([signalled, asyncio.ensure_future(scheduler.finished())],
+                               return_when=asyncio.FIRST_COMPLETED)
+            print("dask-rl: scheduler closing", flush=True)
+
+    asyncio.run(serve())
+    return 0
 
 
 def run_file(path: str, *, steps: int | None = None, output_dir: str | None = None,

@@ -28,6 +28,7 @@ from pipeline.roles.host import RoleHost, plugin_name
 from pipeline.roles.training import GroupInfo
 from pipeline.tasks import submit, wait_role
 from pipeline.weight_routes import WeightRoutes
+from resources.adaptive import Decision, RoleAdaptive
 from resources.cluster import RoleCluster, live_workers
 from resources.config import ResourceConfig
 from resources.plan import plan_workers
@@ -94,6 +95,8 @@ class HybridTrainer:
         self._elastic_lock = threading.Lock()
         self._training = False
         self._train_thread: threading.Thread | None = None
+        self._adaptive: RoleAdaptive | None = None           # adaptive scaling, see adapt()
+        self.adaptive_decisions: list[Decision] = []         # every adaptive decision, in order
         self.roles = roles = self._roles()
         workers = [w for w in plan_workers(config) if w.role in roles]
         if cluster is None and scheduler_address is not None:
@@ -152,6 +155,8 @@ class HybridTrainer:
         """
         total = steps or self.train_config.steps
         bar = tqdm(range(total), desc=f"dask-rl {self.train_config.algorithm}", disable=not self.show_progress)
+        if self.resources.adaptive and self._adaptive is None:  # the file's `adaptive:` section
+            self.adapt()
         self._training = True
         try:
             for _ in bar:
@@ -162,6 +167,7 @@ class HybridTrainer:
         finally:
             self._training = False
             self._apply_boundary_changes()  # a request that raced the last step is not left waiting
+            self.stop_adapting()
         return self.history[-total:]
 
     def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,
@@ -346,7 +352,79 @@ class HybridTrainer:
         width = max(p.shape[1] for p in parts)
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
+    # -- adaptive scaling: resources.adaptive decides, update_resource applies --------------
+    def adapt(self, bounds: dict[str, tuple[int, int]] | None = None, interval: float = 2.0, wait_count: int = 3,
+              **policy: Any) -> RoleAdaptive:
+        """Move devices/workers from idle roles to starved ones while training runs.
+
+        `bounds`: role -> (min, max) workers; None: the resource file's `adaptive:` section
+        (train() starts that by itself). Every `interval` seconds each bounded role's backlog
+        and busy share are measured on the scheduler; once a role has been starved and
+        another idle `wait_count` times in a row, one device (GPU roles) or worker (CPU
+        roles) moves between them. Each decision is logged with its reason and appended to
+        `adaptive_decisions`. `policy`: window=, thresholds=, spare= (see RoleAdaptive).
+        Runs until stop_adapting(), the end of train() or close().
+        """
+        bounds = self.resources.adaptive if bounds is None else bounds
+        if not bounds:
+            raise ValueError("adapt: no bounds. Fix: pass bounds={'rollout': (1, 3), ...} or add an "
+                             "`adaptive:` section to the resource file")
+        for role in bounds:
+            if role not in self.roles or self.resources.role(role).placed_with:
+                raise ValueError(f"adapt: {role!r} cannot be scaled on its own here. Fix: bound one of "
+                                 f"{[r for r in self.roles if not self.resources.role(r).placed_with]}")
+        self.stop_adapting()
+        self._adaptive = RoleAdaptive(
+            self.client, bounds, move=self._adaptive_move, resize=self._adaptive_resize, interval=interval,
+            wait_count=wait_count, pools={role: self.resources.role(role).device_type for role in bounds},
+            decisions=self.adaptive_decisions, **policy).start()
+        return self._adaptive
+
+    def stop_adapting(self) -> None:
+        """Stop adaptive scaling; a move in progress finishes first."""
+        adaptive, self._adaptive = self._adaptive, None
+        if adaptive is None:
+            return
+        adaptive.stop(timeout=0)
+        deadline = time.monotonic() + self.resources.timeout_seconds
+        while adaptive.running and time.monotonic() < deadline:
+            if not self._training:  # an actor/critic move waits for a step boundary: give it one
+                self._apply_boundary_changes()
+            adaptive.stop(timeout=0.2)
+
+    def _adaptive_move(self, source: str, target: str, reason: str) -> None:
+        """One worker (CPU roles) or device (GPU roles) from `source` to `target`."""
+        take, give = self.resources.role(source), self.resources.role(target)
+        if take.device_type == "cpu":  # shrink first: the freed core goes to the new worker
+            first = (source, {"workers": take.workers - 1}, {"workers": take.workers})
+            second = (target, {"workers": give.workers + 1})
+        else:
+            device = take.device_ids[-1]
+            remove = (source, {"device_ids": [i for i in take.device_ids if i != device]},
+                      {"device_ids": list(take.device_ids)})
+            add = (target, {"device_ids": [*give.device_ids, device]}, {"device_ids": list(give.device_ids)})
+            # Shared devices may briefly hold both roles: the target gets it before the source lets go.
+            first, second = (add, remove) if self.resources.allow_shared_devices else (remove, add)
+        self.update_resource(first[0], **first[1])
+        try:
+            self.update_resource(second[0], **second[1])
+        except Exception:
+            self.update_resource(first[0], **first[2])  # undo: the device goes back where it was
+            raise
+
+    def _adaptive_resize(self, role: str, workers: int, reason: str) -> None:
+        spec = self.resources.role(role)
+        if spec.device_type == "cpu":
+            self.update_resource(role, workers=workers)
+        elif workers <= len(spec.device_ids):
+            self.update_resource(role, device_ids=list(spec.device_ids[:workers]))
+        else:
+            raise ValueError(f"adapt: {role} cannot grow to {workers} GPUs: no spare GPU is known; it can only "
+                             f"take one from another role")
+    # -- end of adaptive scaling --------------------------------------------------------------
+
     def close(self) -> None:
+        self.stop_adapting()
         self._pending.clear()
         self.cluster.close()
 

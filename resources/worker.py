@@ -100,7 +100,8 @@ async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | No
     try:
         taken = await _names_on(scheduler_address, timeout)
     except (OSError, asyncio.TimeoutError) as error:
-        raise WorkerStartError(f"could not reach a Dask scheduler at {scheduler_address} ({error}). Fix: start one "
+        reason = str(error) or f"no answer within {timeout:.0f}s"
+        raise WorkerStartError(f"could not reach a Dask scheduler at {scheduler_address} ({reason}). Fix: start one "
                                f"with `dask-rl scheduler` (or give the trainer's own scheduler address) and "
                                f"check the host and port") from error
     if specs[0].device_id is None:  # CPU names count up from what the scheduler already has

@@ -1,0 +1,485 @@
+"""Adaptive scaling: move devices (GPU roles) or workers (CPU roles) from an idle role to a
+starved one, within the `adaptive:` bounds of the resource file.
+
+Three layers, each usable alone:
+
+1. The policy (pure): `RoleLoad` says how loaded a role was over the last window;
+   `decide(loads, ...)` returns `Decision`s (move / grow / shrink), each with a reason
+   that carries the numbers. `Hysteresis` counts consecutive observations per role, so
+   a role acts only after being seen starved or idle `wait_count` times in a row.
+2. The measurement (on the scheduler): `RoleLoadPlugin`, a SchedulerPlugin, integrates
+   for every worker the time during which it had at least one task processing, updated
+   on every transition into or out of `processing`. Event-driven integration, rather
+   than sampling `ws.processing` every interval, sees short tasks (a 5 ms reward call)
+   as well as long ones, and counts a task still running (a 30 s generation) as busy
+   while it runs rather than only when it finishes (as task `startstops` would).
+   `role_sample` reads it, together with each role's backlog, in one scheduler call.
+   Backlog = the role's *runnable* tasks: processing (assigned to a worker, executing or
+   queued there) or no-worker/queued on the scheduler. Tasks still `waiting` for their
+   inputs are reported apart and are not backlog: a reward task waiting for a rollout
+   says rollout is slow, not that reward lacks workers.
+3. The loop: `RoleAdaptive`, one coordinating instance over all bounded roles, built on
+   distributed's `AdaptiveCore`. It measures every `interval` seconds, asks the policy,
+   logs every decision with its reason (logger "dask_rl"), keeps them in `.decisions`,
+   and applies them through callbacks the caller supplies (`move`, `resize`), so this
+   package never imports the pipeline.
+
+Why AdaptiveCore and one instance, not `distributed.deploy.Adaptive` per role: a move
+takes from one role what it gives another, so it has to be one decision over all roles;
+two per-role instances would grow and shrink independently. `Adaptive` also belongs to a
+`Cluster` (plan/requested/observed from `cluster.worker_spec`, `scale_up` = homogeneous
+`cluster.scale(n)`) and runs `adapt()` on the cluster's event loop, where the trainer's
+blocking `update_resource` (it waits for workers to load and drain) would block the very
+loop it waits on; and a trainer joined to a remote scheduler has no SpecCluster at all.
+`AdaptiveCore` is the cluster-free half: we keep its contract (plan/requested/observed,
+`target`, `safe_target` clamped to `minimum`/`maximum`, `recommendations` ->
+`{"status": ...}`, the non-overlapping `adapt()` and its `log`), where the count is the
+total of the bounded roles (a move keeps it; min = sum of mins, max = sum of maxes),
+extend the statuses with "move", and drive `adapt()` from a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from distributed.deploy.adaptive_core import AdaptiveCore
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from resources.config import AdaptiveBounds
+
+__all__ = ["Decision", "Hysteresis", "RoleAdaptive", "RoleLoad", "RoleLoadPlugin", "Thresholds",
+           "classify", "decide", "loads_between", "role_sample"]
+
+logger = logging.getLogger("dask_rl")
+
+STARVED, IDLE, OK = "starved", "idle", "ok"
+
+
+# -- 1. the policy (pure) ----------------------------------------------------------------
+@dataclass(frozen=True)
+class RoleLoad:
+    """How loaded one role was over the last window."""
+
+    role: str
+    workers: int                 # live workers carrying the role
+    queued: int                  # runnable tasks of the role: processing on a worker, or no-worker/queued
+    busy: float                  # 0..1: share of the window its workers had a task processing
+    bounds: AdaptiveBounds
+    window: float = 0.0          # seconds `busy` covers
+    waiting: int = 0             # tasks of the role waiting for other roles' outputs (not backlog)
+    pool: str = ""               # devices move only between roles of one pool ("cuda", "cpu")
+
+    @property
+    def per_worker(self) -> float:
+        return self.queued / max(self.workers, 1)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a role counts as starved or idle."""
+
+    starved_backlog: float = 1.0   # starved: at least this many runnable tasks per worker ...
+    starved_busy: float = 0.9      # ... and its workers busy above this share of the window
+    idle_busy: float = 0.3         # idle: busy below this share, and nothing runnable
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One adaptive action. move: one device/worker from source_role to target_role;
+    grow: target_role gets one more; shrink: source_role gives one up."""
+
+    kind: Literal["move", "grow", "shrink"]
+    source_role: str | None
+    target_role: str | None
+    reason: str
+    outcome: str = ""              # filled in by RoleAdaptive: "applied in 8.1s" or "failed: ..."
+
+    def __str__(self) -> str:
+        what = {"move": f"move one from {self.source_role} to {self.target_role}",
+                "grow": f"grow {self.target_role} by one", "shrink": f"shrink {self.source_role} by one"}
+        return f"{what[self.kind]}: {self.reason}" + (f" ({self.outcome})" if self.outcome else "")
+
+
+def classify(load: RoleLoad, thresholds: Thresholds = Thresholds()) -> str:
+    """starved, idle or ok."""
+    if load.workers and load.per_worker >= thresholds.starved_backlog and load.busy > thresholds.starved_busy:
+        return STARVED
+    if load.busy < thresholds.idle_busy and load.queued == 0:
+        return IDLE
+    return OK
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _over(load: RoleLoad) -> str:
+    return f" over {load.window:.0f} s" if load.window else ""
+
+
+def _starved_reason(load: RoleLoad) -> str:
+    return (f"{load.role} starved: {_plural(load.queued, 'queued task')} on {_plural(load.workers, 'worker')}, "
+            f"busy {load.busy:.0%}{_over(load)}")
+
+
+def _idle_reason(load: RoleLoad) -> str:
+    return f"{load.role} idle: busy {load.busy:.0%}{_over(load)}, nothing queued, {_plural(load.workers, 'worker')}"
+
+
+class Hysteresis:
+    """Consecutive observations of each role in its current state (like AdaptiveCore's
+    close_counts): a role acts on `starved`/`idle` only after `wait_count` in a row."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, str] = {}
+        self.count: dict[str, int] = {}
+
+    def observe(self, states: Mapping[str, str]) -> dict[str, int]:
+        for role, state in states.items():
+            self.count[role] = self.count.get(role, 0) + 1 if self.state.get(role) == state else 1
+            self.state[role] = state
+        for role in set(self.state) - set(states):
+            del self.state[role], self.count[role]
+        return dict(self.count)
+
+    def reset(self) -> None:
+        self.state.clear()
+        self.count.clear()
+
+
+def decide(loads: Mapping[str, RoleLoad], *, thresholds: Thresholds = Thresholds(),
+           streaks: Mapping[str, int] | None = None, wait_count: int = 1,
+           spare: Mapping[str, int] | None = None) -> list[Decision]:
+    """At most one action for these loads; [] when there is nothing to do.
+
+    `streaks[role]`: consecutive observations in the role's current state (default: 1 each,
+    i.e. no hysteresis); starved and idle count only once a streak reaches `wait_count`.
+    `spare[pool]`: free devices/workers no role holds; a starved role grows from them
+    before taking from another role. In order:
+      1. a role above its max shrinks (bounds are the file's word: no hysteresis);
+      2. a role below its min gets one from the role of its pool with the most above its
+         min (idlest first), or grows from a spare;
+      3. the most starved role below its max grows from a spare, else takes one from the
+         idlest role of its pool above its min.
+    Nothing ever goes below a min or above a max.
+    """
+    streaks = streaks or {}
+    spare = spare or {}
+    states = {role: classify(load, thresholds) for role, load in loads.items()}
+
+    def firm(role: str, state: str) -> bool:
+        return states[role] == state and streaks.get(role, 1) >= wait_count
+
+    for load in loads.values():
+        if load.workers > load.bounds.maximum:
+            return [Decision("shrink", load.role, None, f"{load.role} has {_plural(load.workers, 'worker')}, "
+                                                        f"above its max of {load.bounds.maximum}")]
+    by_idleness = sorted(loads.values(), key=lambda l: (states[l.role] != IDLE, l.busy, -l.workers, l.role))
+    for load in loads.values():
+        if load.workers < load.bounds.minimum:
+            short = f"{load.role} has {_plural(load.workers, 'worker')}, below its min of {load.bounds.minimum}"
+            if spare.get(load.pool, 0) > 0:
+                return [Decision("grow", None, load.role, f"{short}; a spare device is free")]
+            donors = [d for d in by_idleness if d.role != load.role and d.pool == load.pool
+                      and d.workers > d.bounds.minimum]
+            if donors:
+                donor = donors[0]
+                return [Decision("move", donor.role, load.role,
+                                 f"{short}; {donor.role} has {_plural(donor.workers, 'worker')}, "
+                                 f"above its min of {donor.bounds.minimum}")]
+    starved = sorted((l for l in loads.values() if firm(l.role, STARVED) and l.workers < l.bounds.maximum),
+                     key=lambda l: (-l.per_worker, -l.busy, l.role))
+    for hungry in starved:
+        if spare.get(hungry.pool, 0) > 0:
+            return [Decision("grow", None, hungry.role, f"{_starved_reason(hungry)}; a spare device is free")]
+        donors = [d for d in by_idleness if d.role != hungry.role and d.pool == hungry.pool
+                  and firm(d.role, IDLE) and d.workers > d.bounds.minimum]
+        if donors:
+            return [Decision("move", donors[0].role, hungry.role,
+                             f"{_starved_reason(hungry)}; {_idle_reason(donors[0])}")]
+    return []
+
+
+# -- 2. the measurement (on the scheduler) -----------------------------------------------
+PLUGIN_NAME = "dask-rl-role-load"
+
+
+class RoleLoadPlugin(SchedulerPlugin):
+    """Per worker: seconds during which it had at least one task processing (cumulative,
+    scheduler clock), updated on every transition into or out of `processing`."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.busy_total: dict[str, float] = {}
+        self.busy_since: dict[str, float | None] = {}
+        self.first_seen: dict[str, float] = {}
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self.scheduler is None:
+            return
+        now = time.monotonic()
+        for address, ws in self.scheduler.workers.items():
+            self.first_seen.setdefault(address, now)
+            self.busy_total.setdefault(address, 0.0)
+            started = self.busy_since.get(address)
+            if ws.processing and started is None:
+                self.busy_since[address] = now
+            elif not ws.processing and started is not None:
+                self.busy_total[address] += now - started
+                self.busy_since[address] = None
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if start == "processing" or finish == "processing":
+            self.refresh()
+
+    def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
+        for table in (self.busy_total, self.busy_since, self.first_seen):
+            table.pop(worker, None)
+
+    def busy_seconds(self) -> tuple[float, dict[str, tuple[float, float]]]:
+        """(now, {address: (cumulative busy seconds up to now, first seen)})."""
+        self.refresh()
+        now = time.monotonic()
+        out = {}
+        for address, total in self.busy_total.items():
+            started = self.busy_since.get(address)
+            out[address] = (total + (now - started if started is not None else 0.0), self.first_seen[address])
+        return now, out
+
+
+def _install_plugin(dask_scheduler=None) -> bool:
+    if PLUGIN_NAME not in dask_scheduler.plugins:
+        plugin = RoleLoadPlugin()
+        plugin.scheduler = dask_scheduler
+        dask_scheduler.add_plugin(plugin, name=PLUGIN_NAME)
+        plugin.refresh()
+        return True
+    return False
+
+
+def role_sample(roles: Iterable[str], dask_scheduler=None) -> dict:
+    """Runs on the scheduler (client.run_on_scheduler): one consistent reading of every
+    role's workers, cumulative busy seconds and backlog."""
+    roles = tuple(roles)
+    plugin = dask_scheduler.plugins[PLUGIN_NAME]
+    now, busy = plugin.busy_seconds()
+    workers = {}
+    for address, ws in dask_scheduler.workers.items():
+        mine = [r for r in roles if ws.resources.get(r, 0) > 0]  # a drained worker (role at 0) counts for none
+        if mine and address in busy:
+            workers[address] = {"name": ws.name, "role": mine[0], "busy": busy[address][0],
+                                "since": busy[address][1]}
+    queued = dict.fromkeys(roles, 0)
+    waiting = dict.fromkeys(roles, 0)
+    for ts in dask_scheduler.tasks.values():
+        restrictions = ts.resource_restrictions or {}
+        table = (queued if ts.state in ("processing", "no-worker", "queued") else
+                 waiting if ts.state == "waiting" else None)
+        if table is None:
+            continue
+        for role in roles:
+            if role in restrictions:
+                table[role] += 1
+    return {"time": now, "workers": workers, "queued": queued, "waiting": waiting}
+
+
+def loads_between(before: dict | None, after: dict, bounds: Mapping[str, AdaptiveBounds],
+                  pools: Mapping[str, str] | None = None) -> dict[str, RoleLoad]:
+    """RoleLoads over the window between two `role_sample`s (pure). Busy = busy seconds
+    gained by the role's workers / worker-seconds they existed in the window; a worker that
+    joined inside the window counts from when the scheduler first saw it."""
+    pools = pools or {}
+    t1 = after["time"]
+    t0 = before["time"] if before else t1
+    old = before["workers"] if before else {}
+    loads = {}
+    for role, limits in bounds.items():
+        mine = {a: w for a, w in after["workers"].items() if w["role"] == role}
+        gained = covered = 0.0
+        for address, w in mine.items():
+            start = max(t0, w["since"])
+            covered += max(t1 - start, 0.0)
+            gained += w["busy"] - (old[address]["busy"] if address in old else 0.0)
+        busy = min(max(gained / covered, 0.0), 1.0) if covered > 0 else 0.0
+        loads[role] = RoleLoad(role, len(mine), after["queued"].get(role, 0), busy, limits, window=t1 - t0,
+                               waiting=after["waiting"].get(role, 0), pool=pools.get(role, ""))
+    return loads
+
+
+# -- 3. the loop -------------------------------------------------------------------------
+class RoleAdaptive(AdaptiveCore):
+    """Watches the bounded roles and applies the policy's decisions through callbacks.
+
+    Args:
+        client: a distributed Client of the cluster (the scheduler runs `role_sample`).
+        bounds: role -> AdaptiveBounds (or a (min, max) pair); only these roles move.
+        move(source_role, target_role, reason): give one device/worker of source to target.
+        resize(role, workers, reason): set the role's worker count (grow/shrink).
+        interval: seconds between observations.
+        wait_count: consecutive starved/idle observations before acting.
+        window: seconds of history the busy fraction covers (default: interval * wait_count,
+            at least 5 s).
+        pools: role -> pool ("cuda"/"cpu"): devices move only within a pool.
+        spare: pool -> free devices no role holds (grow takes from them first).
+        measure: () -> role_sample dict; replaces the scheduler call (tests).
+    """
+
+    def __init__(self, client: Any, bounds: Mapping[str, AdaptiveBounds | tuple[int, int]], *,
+                 move: Callable[[str, str, str], Any], resize: Callable[[str, int, str], Any],
+                 interval: float = 2.0, wait_count: int = 3, window: float | None = None,
+                 thresholds: Thresholds = Thresholds(), pools: Mapping[str, str] | None = None,
+                 spare: Mapping[str, int] | None = None, measure: Callable[[], dict] | None = None,
+                 decisions: list[Decision] | None = None):
+        self.bounds = {role: b if isinstance(b, AdaptiveBounds) else AdaptiveBounds(*b) for role, b in bounds.items()}
+        for role, b in self.bounds.items():
+            if not 1 <= b.minimum <= b.maximum:
+                raise ValueError(f"adaptive bounds for {role}: need 1 <= min <= max, got min={b.minimum} "
+                                 f"max={b.maximum}")
+        super().__init__(minimum=sum(b.minimum for b in self.bounds.values()),
+                         maximum=sum(b.maximum for b in self.bounds.values()), wait_count=wait_count)
+        self.client, self._move, self._resize = client, move, resize
+        self.interval = interval
+        self.window = window if window is not None else max(interval * wait_count, 5.0)
+        self.thresholds, self.pools, self.spare = thresholds, dict(pools or {}), dict(spare or {})
+        self._measure = measure or self._sample_scheduler
+        self.decisions: list[Decision] = decisions if decisions is not None else []
+        self.hysteresis = Hysteresis()
+        self.loads: dict[str, RoleLoad] = {}
+        self._samples: deque[dict] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # AdaptiveCore's contract: the count is the bounded roles' total workers.
+    @property
+    def observed(self) -> set:
+        return {w["name"] for w in (self._samples[-1]["workers"].values() if self._samples else ())}
+
+    plan = requested = observed
+
+    async def target(self) -> int:
+        return sum(load.workers for load in self.loads.values())
+
+    async def workers_to_close(self, target: int) -> list:
+        return []
+
+    async def scale_up(self, n: int) -> None:  # the policy's grow/shrink go through resize()
+        raise NotImplementedError("RoleAdaptive grows roles through its resize callback")
+
+    async def scale_down(self, workers) -> None:
+        raise NotImplementedError("RoleAdaptive shrinks roles through its resize callback")
+
+    async def recommendations(self, target: int) -> dict:
+        streaks = self.hysteresis.observe({role: classify(load, self.thresholds) for role, load in self.loads.items()})
+        decisions = decide(self.loads, thresholds=self.thresholds, streaks=streaks, wait_count=self.wait_count,
+                           spare=self.spare)
+        return {"status": decisions[0].kind, "decision": decisions[0]} if decisions else {"status": "same"}
+
+    def observe(self) -> dict[str, RoleLoad]:
+        """Take a sample and compute the loads over the last `window` seconds."""
+        sample = self._measure()
+        self._samples.append(sample)
+        while len(self._samples) > 2 and sample["time"] - self._samples[1]["time"] >= self.window:
+            self._samples.popleft()
+        before = self._samples[0] if len(self._samples) > 1 else None
+        self.loads = loads_between(before, sample, self.bounds, self.pools)
+        return self.loads
+
+    async def adapt(self) -> None:
+        """Observe, recommend, act: AdaptiveCore.adapt with a "move" status."""
+        if self._adapting:
+            return
+        self._adapting = True
+        try:
+            self.observe()
+            if self._samples[0] is self._samples[-1]:
+                return  # the first sample: no window yet
+            recommendation = await self.recommendations(await self.safe_target())
+            if recommendation["status"] == "same":
+                return
+            self.log.append((time.time(), {"status": recommendation["status"],
+                                           "reason": recommendation["decision"].reason}))
+            self.apply(recommendation["decision"])
+        finally:
+            self._adapting = False
+
+    def apply(self, decision: Decision) -> Decision:
+        logger.warning("dask-rl: adaptive: %s", decision)
+        start = time.perf_counter()
+        try:
+            if decision.kind == "move":
+                self._move(decision.source_role, decision.target_role, decision.reason)
+            else:
+                role = decision.target_role or decision.source_role
+                step = 1 if decision.kind == "grow" else -1
+                self._resize(role, self.loads[role].workers + step, decision.reason)
+            outcome = f"applied in {time.perf_counter() - start:.1f}s"
+        except Exception as error:  # reported, recorded, and the loop goes on
+            outcome = f"failed: {error!r}"
+            logger.warning("dask-rl: adaptive: %s failed: %r", decision.kind, error)
+        decision = replace(decision, outcome=outcome)
+        self.decisions.append(decision)
+        # Fresh evidence after a change: a new window, and wait_count observations again.
+        self._samples.clear()
+        self.hysteresis.reset()
+        return decision
+
+    def _sample_scheduler(self) -> dict:
+        return self.client.run_on_scheduler(role_sample, tuple(self.bounds))
+
+    # -- running in the background --------------------------------------------------------
+    def start(self) -> RoleAdaptive:
+        """Install the scheduler plugin and adapt every `interval` seconds in a daemon thread."""
+        if self._thread is not None:
+            return self
+        if self._measure == self._sample_scheduler:
+            self.client.run_on_scheduler(_install_plugin)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="dask-rl-adaptive", daemon=True)
+        self._thread.start()
+        bounds = ", ".join(f"{r} {b.minimum}..{b.maximum}" for r, b in self.bounds.items())
+        logger.info("dask-rl: adaptive scaling started (%s; every %.1fs, wait_count %d)", bounds, self.interval,
+                    self.wait_count)
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                asyncio.run(self.adapt())
+            except Exception as error:  # e.g. the cluster went away: stop, don't spin
+                if self._stop.is_set():
+                    return
+                self.error = error
+                logger.warning("dask-rl: adaptive scaling stopped after an error: %r", error)
+                return
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop observing; a change in progress finishes first (waits up to `timeout`)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if thread is None or not thread.is_alive():
+            self._thread = None
+
+    def __del__(self) -> None:  # like Adaptive.__del__: a dropped instance stops observing
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()

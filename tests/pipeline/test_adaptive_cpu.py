@@ -1,0 +1,83 @@
+"""Adaptive scaling on real worker processes: rollout is the bottleneck, reward has a
+worker to spare, and the policy moves it while training runs.
+
+These tests add and retire workers, so they get their own small cluster."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from pipeline.rewards import digit_fraction
+from pipeline.trainer import HybridTrainer
+from resources.config import AdaptiveBounds, load_resource_config
+
+BOUNDS = {"rollout": {"min": 1, "max": 2}, "reward": {"min": 1, "max": 2}}
+LAYOUT = {
+    "actor": {"device_type": "cpu", "workers": 1},
+    "reference": {"device_type": "cpu", "workers": 1},
+    "reward": {"device_type": "cpu", "workers": 2, "strategy": "data_parallel"},
+    "rollout": {"device_type": "cpu", "workers": 1},
+    "timeout_seconds": 120,
+    "adaptive": BOUNDS,
+}
+# Long generations and a one-step-ahead rollout keep the rollout worker busy all the time;
+# digit_fraction makes reward almost free.
+ROLLOUT_BOUND = dict(algorithm="grpo", samples_per_prompt=2, prompts_per_step=16, max_new_tokens=48,
+                     micro_batch_size=32, actor_lr=1e-3, max_staleness=1, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def adaptive_cluster():
+    from resources.cluster import RoleCluster
+    from resources.plan import plan_workers
+
+    cluster = RoleCluster(plan_workers(load_resource_config(LAYOUT)), dashboard_address=":0")
+    yield cluster
+    cluster.close()
+
+
+def _count(cluster, role):
+    return len(cluster.workers_of(role))
+
+
+def test_train_starts_and_stops_adaptation_from_the_file(adaptive_cluster, tiny_model, prompts):
+    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
+                            cluster=adaptive_cluster, steps=1, **{**ROLLOUT_BOUND, "max_new_tokens": 4})
+    seen = []
+    trainer.train(on_step=lambda record: seen.append(trainer._adaptive))
+    (adaptive,) = seen
+    assert adaptive is not None and adaptive.bounds == {"rollout": AdaptiveBounds(1, 2), "reward": AdaptiveBounds(1, 2)}
+    assert trainer._adaptive is None and not adaptive.running  # stopped when train() ended
+    with pytest.raises(ValueError, match="cannot be scaled on its own"):
+        trainer.adapt({"critic": (1, 2)})
+
+
+def test_idle_reward_worker_moves_to_starved_rollout(adaptive_cluster, tiny_model, prompts, caplog):
+    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
+                            cluster=adaptive_cluster, **ROLLOUT_BOUND)
+    assert (_count(adaptive_cluster, "rollout"), _count(adaptive_cluster, "reward")) == (1, 2)
+    trainer.adapt(interval=1.0, wait_count=2)
+    moved_at = []
+
+    def until_moved(record):
+        if trainer.adaptive_decisions and not moved_at:
+            moved_at.append(record.step)
+
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="dask_rl"):
+        records = trainer.train(steps=14, on_step=until_moved)
+    seconds = time.perf_counter() - start
+    # Training never lost or repeated a step while a worker moved.
+    assert [r.policy_version for r in records] == list(range(1, 15))
+    (decision,) = trainer.adaptive_decisions
+    assert (decision.kind, decision.source_role, decision.target_role) == ("move", "reward", "rollout")
+    assert decision.outcome.startswith("applied"), decision.outcome
+    assert "rollout starved" in decision.reason and "reward idle" in decision.reason
+    assert any("adaptive: move one from reward to rollout: rollout starved" in m for m in caplog.messages)
+    assert (_count(adaptive_cluster, "rollout"), _count(adaptive_cluster, "reward")) == (2, 1)
+    assert trainer.resources.role("rollout").workers == 2 and trainer.resources.role("reward").workers == 1
+    print(f"\n{decision} | decided before step {moved_at}, {len(records)} steps in {seconds:.1f}s; "
+          f"phases of the last step {records[-1].phases}")
