@@ -111,7 +111,11 @@ async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | No
     if clash:
         raise WorkerStartError(f"worker name {clash[0]!r} is already taken on {scheduler_address}. Fix: pass "
                                f"--name with another name (is this GPU's worker already running?)")
-    nannies = await start_nannies(scheduler_address, specs)
+    try:
+        nannies = await start_nannies(scheduler_address, specs)
+    except Exception as error:  # e.g. a name another host took meanwhile; the worker log says more
+        raise WorkerStartError(f"workers {[s.name for s in specs]} failed to join {scheduler_address}: "
+                               f"{error!r}") from error
     for spec in specs:
         where = f"GPU {spec.device_id}" if spec.device_id is not None else "CPU"
         print(f"dask-rl: {spec.role} worker {spec.name} ({where}) joined {scheduler_address} as "
@@ -124,7 +128,7 @@ async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | No
     signalled = asyncio.ensure_future(wait_for_signals())
     await asyncio.wait([finished, signalled], return_when=asyncio.FIRST_COMPLETED)
     if signalled.done():
-        print(f"dask-rl: closing {len(nannies)} worker(s)", flush=True)
+        print(f"dask-rl: closing workers {sorted(nannies)}", flush=True)
         await close_nannies(nannies.values())
     else:
         signalled.cancel()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ GRPO_ROLES = ("rollout", "reward", "reference", "actor")
 LAYOUT = {role: {"device_type": "cpu", "workers": 1} for role in GRPO_ROLES} | {"timeout_seconds": 120}
 GRPO = dict(algorithm="grpo", samples_per_prompt=2, prompts_per_step=4, max_new_tokens=6, steps=2,
             show_progress=False)
-HOST = __import__("socket").gethostname().split(".")[0]
+HOST = socket.gethostname().split(".")[0]
 
 
 class Processes:

