@@ -455,16 +455,20 @@ class RoleAdaptive(AdaptiveCore):
                     self.wait_count)
         return self
 
-    def _run(self) -> None:
+    def _run(self, max_errors: int = 3) -> None:
+        errors = 0
         while not self._stop.wait(self.interval):
             try:
                 asyncio.run(self.adapt())
-            except Exception as error:  # e.g. the cluster went away: stop, don't spin
+                errors = 0
+            except Exception as error:  # one bad reading is skipped; the cluster gone away stops it
                 if self._stop.is_set():
                     return
-                self.error = error
-                logger.warning("dask-rl: adaptive scaling stopped after an error: %r", error)
-                return
+                self.error, errors = error, errors + 1
+                if errors >= max_errors:
+                    logger.warning("dask-rl: adaptive scaling stopped after %d errors in a row: %r", errors, error)
+                    return
+                logger.warning("dask-rl: adaptive: observation failed (%r); trying again", error)
 
     @property
     def running(self) -> bool:

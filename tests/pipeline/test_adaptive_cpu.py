@@ -25,7 +25,7 @@ LAYOUT = {
 }
 # Long generations and a one-step-ahead rollout keep the rollout worker busy all the time;
 # digit_fraction makes reward almost free.
-ROLLOUT_BOUND = dict(algorithm="grpo", samples_per_prompt=2, prompts_per_step=16, max_new_tokens=48,
+ROLLOUT_BOUND = dict(algorithm="grpo", samples_per_prompt=2, prompts_per_step=4, max_new_tokens=128,
                      micro_batch_size=32, actor_lr=1e-3, max_staleness=1, show_progress=False)
 
 

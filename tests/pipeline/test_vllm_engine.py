@@ -82,8 +82,12 @@ def test_rollout_shapes_masks_and_logprobs_match_actor(role, model_dir):
         assert (responses[row, :n - 1] != 1).all()                   # no EOS before the end
         assert responses[row, n - 1] == 1 or n == 32                  # ends at EOS or at the limit
     assert torch.equal(rollout.attention_mask[:, P:].float(), mask)
-    # samples of one prompt differ (distinct seeds per sample)
+    # every sample has its own random stream: within a prompt, across repeats of a prompt
+    # (rows 0.. and 16.. both answer [5, 6, 7]) and across neighbouring request seeds
     assert len({tuple(r) for r in responses[:SAMPLES].tolist()}) > 1
+    assert responses[:SAMPLES].tolist() != responses[4 * SAMPLES:5 * SAMPLES].tolist()
+    shifted = role.engine.generate(request(seed=4), policy_version=7).responses
+    assert not any(row in responses.tolist() for row in shifted.tolist() if 1 not in row[:8])  # long rows
     # behaviour logprobs = the actor's log_softmax(logits / T) on the same ids
     actor = hf_logprobs(load_causal_lm(model_dir), rollout, 1.0)
     assert (rollout.behavior_logprobs - actor).abs().max() < 1e-3
