@@ -125,8 +125,8 @@ def _over(load: RoleLoad) -> str:
 
 
 def _starved_reason(load: RoleLoad) -> str:
-    return (f"{load.role} starved: {_plural(load.queued, 'queued task')} on {_plural(load.workers, 'worker')}, "
-            f"busy {load.busy:.0%}{_over(load)}")
+    return (f"{load.role} starved: {_plural(load.queued, 'task')} queued or running on "
+            f"{_plural(load.workers, 'worker')}, busy {load.busy:.0%}{_over(load)}")
 
 
 def _idle_reason(load: RoleLoad) -> str:
@@ -409,6 +409,8 @@ class RoleAdaptive(AdaptiveCore):
                 return  # the first sample: no window yet
             recommendation = await self.recommendations(await self.safe_target())
             if recommendation["status"] == "same":
+                return
+            if self._stop.is_set():  # stopped while observing: start no change now
                 return
             self.log.append((time.time(), {"status": recommendation["status"],
                                            "reason": recommendation["decision"].reason}))

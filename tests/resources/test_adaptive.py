@@ -23,7 +23,7 @@ def loads(*items):
 def test_starved_and_idle_make_one_move_with_both_reasons():
     (decision,) = decide(loads(load("rollout", 1, 6, 0.97), load("reward", 2, 0, 0.04), load("reference", 1, 1, 0.5)))
     assert (decision.kind, decision.source_role, decision.target_role) == ("move", "reward", "rollout")
-    assert decision.reason == ("rollout starved: 6 queued tasks on 1 worker, busy 97% over 10 s; "
+    assert decision.reason == ("rollout starved: 6 tasks queued or running on 1 worker, busy 97% over 10 s; "
                                "reward idle: busy 4% over 10 s, nothing queued, 2 workers")
     assert "move one from reward to rollout" in str(decision)
 
@@ -129,7 +129,7 @@ def test_role_adaptive_acts_after_wait_count_and_records_the_decision():
     assert [m[:2] for m in moves] == [("reward", "rollout")]
     (decision,) = adaptive.decisions
     assert decision.kind == "move" and decision.outcome.startswith("applied")
-    assert "rollout starved: 4 queued tasks on 1 worker, busy 100%" in decision.reason
+    assert "rollout starved: 4 tasks queued or running on 1 worker, busy 100%" in decision.reason
     assert adaptive.log and adaptive.log[-1][1]["status"] == "move"
 
 
@@ -151,3 +151,50 @@ def test_bounds_come_from_the_resource_file():
     assert adaptive.bounds == {"rollout": AdaptiveBounds(1, 2), "reward": AdaptiveBounds(1, 2)}
     with pytest.raises(ValueError, match="1 <= min <= max"):
         RoleAdaptive(None, {"rollout": (3, 2)}, move=print, resize=print)
+
+
+class _FakeWorker:
+    def __init__(self, name, role):
+        self.name, self.resources, self.processing = name, {role: 1}, set()
+
+
+class _FakeTask:
+    def __init__(self, state, role):
+        self.state, self.resource_restrictions = state, {role: 1}
+
+
+class _FakeScheduler:
+    def __init__(self):
+        self.workers = {"a": _FakeWorker("rollout-0", "rollout"), "b": _FakeWorker("reward-0", "reward")}
+        self.tasks = {"g1": _FakeTask("processing", "rollout"), "g2": _FakeTask("no-worker", "rollout"),
+                      "s1": _FakeTask("waiting", "reward"), "s0": _FakeTask("memory", "reward")}
+        self.plugins = {}
+
+    def add_plugin(self, plugin, name):
+        self.plugins[name] = plugin
+
+
+def test_plugin_integrates_busy_time_between_transitions(monkeypatch):
+    from resources import adaptive
+
+    clock = [10.0]
+    monkeypatch.setattr(adaptive.time, "monotonic", lambda: clock[0])
+    scheduler = _FakeScheduler()
+    assert adaptive._install_plugin(dask_scheduler=scheduler) and not adaptive._install_plugin(dask_scheduler=scheduler)
+    plugin = scheduler.plugins[adaptive.PLUGIN_NAME]
+    scheduler.workers["a"].processing.add("g1")
+    plugin.transition("g1", "waiting", "processing")          # rollout busy from t=10
+    clock[0] = 13.0
+    scheduler.workers["b"].processing.add("s1")
+    plugin.transition("s1", "waiting", "processing")          # reward busy from t=13
+    clock[0] = 13.5
+    scheduler.workers["b"].processing.clear()
+    plugin.transition("s1", "processing", "memory")           # ... to t=13.5
+    clock[0] = 14.0
+    sample = adaptive.role_sample(("rollout", "reward"), dask_scheduler=scheduler)
+    assert sample["workers"]["a"]["busy"] == pytest.approx(4.0)   # still running: counted up to now
+    assert sample["workers"]["b"]["busy"] == pytest.approx(0.5)
+    assert sample["queued"] == {"rollout": 2, "reward": 0} and sample["waiting"] == {"rollout": 0, "reward": 1}
+    plugin.remove_worker(scheduler, "b")
+    scheduler.workers.pop("b")
+    assert set(adaptive.role_sample(("rollout",), dask_scheduler=scheduler)["workers"]) == {"a"}
