@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 from pipeline.roles import actor, critic, rollout
 from pipeline.roles.host import role_ready
 from pipeline.tasks import submit, wait_role
+from resources.adaptive import RoleAdaptive
 from resources.config import ResourceConfig, RoleSpec
 from resources.plan import plan_change
 
@@ -120,7 +121,7 @@ def apply_config(trainer: HybridTrainer, new_config: ResourceConfig) -> list[Res
         if not start and not retire:
             continue
         if role in TRAINABLE:  # every rank of the new group starts from exactly this state
-            trainer.restore_paths[role] = _export(trainer, role, list(live.values()))
+            trainer.groups.restore_paths[role] = _export(trainer, role, list(live.values()))
         added = cluster.add_workers(start, timeout) if start else {}
         _wait_ready(trainer, role, list(added.values()))
         ready = time.perf_counter() - start_time if added else 0.0
@@ -154,3 +155,62 @@ def _wait_ready(trainer: HybridTrainer, role: str, addresses: list[str]) -> None
     else:
         futures = [submit(trainer.client, role, role_ready, role, tag="join", workers=[a]) for a in addresses]
     wait_role(trainer.client, futures, role, "new workers to load their model", trainer.resources.timeout_seconds)
+
+
+# -- adaptive scaling: resources.adaptive decides, these moves apply it ---------------------
+
+def start_adaptive(trainer: HybridTrainer, bounds, *, interval: float, wait_count: int, **policy) -> RoleAdaptive:
+    bounds = trainer.resources.adaptive if bounds is None else bounds
+    if not bounds:
+        raise ValueError("adapt: no bounds. Fix: pass bounds={'rollout': (1, 3), ...} or add an "
+                         "`adaptive:` section to the resource file")
+    scalable = [r for r in trainer.roles if not trainer.resources.role(r).placed_with]
+    for role in bounds:
+        if role not in scalable:
+            raise ValueError(f"adapt: {role!r} cannot be scaled on its own here. Fix: bound one of {scalable}")
+    return RoleAdaptive(
+        trainer.client, bounds, move=lambda source, target, reason: move_one(trainer, source, target),
+        resize=lambda role, workers, reason: resize_role(trainer, role, workers), interval=interval,
+        wait_count=wait_count, pools={role: trainer.resources.role(role).device_type for role in bounds},
+        decisions=trainer.adaptive_decisions, **policy).start()
+
+
+def stop_adaptive(trainer: HybridTrainer, adaptive: RoleAdaptive) -> None:
+    adaptive.stop(timeout=0)
+    deadline = time.monotonic() + trainer.resources.timeout_seconds
+    while adaptive.running and time.monotonic() < deadline:
+        if not trainer._training:  # an actor/critic move waits for a step boundary: give it one
+            trainer._apply_boundary_changes()
+        adaptive.stop(timeout=0.2)
+
+
+def move_one(trainer: HybridTrainer, source: str, target: str) -> None:
+    """One worker (CPU roles) or device (GPU roles) from `source` to `target`."""
+    take, give = trainer.resources.role(source), trainer.resources.role(target)
+    if take.device_type == "cpu":  # shrink first: the freed core goes to the new worker
+        first = (source, {"workers": take.workers - 1}, {"workers": take.workers})
+        second = (target, {"workers": give.workers + 1})
+    else:
+        device = take.device_ids[-1]
+        remove = (source, {"device_ids": [i for i in take.device_ids if i != device]},
+                  {"device_ids": list(take.device_ids)})
+        add = (target, {"device_ids": [*give.device_ids, device]}, {"device_ids": list(give.device_ids)})
+        # Shared devices may briefly hold both roles: the target gets it before the source lets go.
+        first, second = (add, remove) if trainer.resources.allow_shared_devices else (remove, add)
+    trainer.update_resource(first[0], **first[1])
+    try:
+        trainer.update_resource(second[0], **second[1])
+    except Exception:
+        trainer.update_resource(first[0], **first[2])  # undo: the device goes back where it was
+        raise
+
+
+def resize_role(trainer: HybridTrainer, role: str, workers: int) -> None:
+    spec = trainer.resources.role(role)
+    if spec.device_type == "cpu":
+        trainer.update_resource(role, workers=workers)
+    elif workers <= len(spec.device_ids):
+        trainer.update_resource(role, device_ids=list(spec.device_ids[:workers]))
+    else:
+        raise ValueError(f"adapt: {role} cannot grow to {workers} GPUs: no spare GPU is known; it can only "
+                         f"take one from another role")

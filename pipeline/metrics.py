@@ -45,3 +45,23 @@ class StepRecord:
         """The progress bar's postfix."""
         return {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
                 "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
+
+
+def sum_stats(items) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for stats in items:
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals
+
+
+def normalise_update_stats(totals: dict[str, float], optimizer_steps: int) -> dict[str, float]:
+    """Token-weighted sums -> fractions; per-step sums -> means over the optimizer steps."""
+    tokens = max(totals.pop("tokens", 0.0), 1.0)
+    out = {key: value / optimizer_steps for key, value in totals.items()}
+    if "clip_tokens" in out:
+        out["clip_frac"] = totals["clip_tokens"] / tokens
+        out["is_weight_mean"] = totals.pop("is_weight_sum") / tokens
+        out.pop("clip_tokens")
+        out.pop("is_weight_sum", None)
+    return out

@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,16 +20,16 @@ from pipeline import elastic, weights
 from pipeline.config import TrainConfig, make_train_config
 from pipeline.data import PromptStream, encode_prompts, read_prompts
 from pipeline.experience import build_experience
-from pipeline.metrics import PhaseTimer, StepRecord
+from pipeline.metrics import PhaseTimer, StepRecord, normalise_update_stats, sum_stats
 from pipeline.models import load_tokenizer, materialize
 from pipeline.records import GenerationRequest, concat_rollouts, rank_shards
 from pipeline.roles import actor, critic, reference, reward, rollout
+from pipeline.groups import ProcessGroups
 from pipeline.roles.host import RoleHost, plugin_name
-from pipeline.roles.training import GroupInfo
 from pipeline.tasks import submit, wait_role
 from pipeline.weight_routes import WeightRoutes
 from resources.adaptive import Decision, RoleAdaptive
-from resources.cluster import RoleCluster, live_workers
+from resources.cluster import RoleCluster
 from resources.config import ResourceConfig
 from resources.plan import plan_workers
 
@@ -89,8 +89,6 @@ class HybridTrainer:
         self.version = 0
         self._pending: deque[InFlightBatch] = deque()
         self._batches_submitted = 0
-        self._groups: dict[str, tuple[tuple[str, ...], int, str]] = {}
-        self.restore_paths: dict[str, str] = {}   # role -> state a resized group starts from
         self._boundary: queue.Queue = queue.Queue()   # resource changes waiting for a step boundary
         self._elastic_lock = threading.Lock()
         self._training = False
@@ -103,6 +101,7 @@ class HybridTrainer:
             cluster = RoleCluster.connect(scheduler_address, self.roles, timeout=config.timeout_seconds)
         self.cluster = cluster or RoleCluster(workers, dashboard_address=dashboard_address)
         self.client = self.cluster.client
+        self.groups = ProcessGroups(self.client)
         self.routes = WeightRoutes(self.cluster, self.train_config.weight_sync, config.timeout_seconds)
         self._register_roles(roles, reward_model, critic_model, reference_model)
         print(f"dask-rl: dashboard at {self.cluster.dashboard_link}", flush=True)
@@ -215,6 +214,10 @@ class HybridTrainer:
         #    with the current weights while this one is trained on (0 = strictly on-policy).
         with timer("wait_rollout"):
             batch = self._pending.popleft() if self._pending else self._submit_batch()
+            while self.version - batch.version > tc.max_staleness:  # never train on older samples
+                logger.warning("dask-rl: dropping a batch of version %d (now %d, max_staleness %d)",
+                               batch.version, self.version, tc.max_staleness)
+                batch = self._pending.popleft() if self._pending else self._submit_batch()
             while len(self._pending) < tc.max_staleness:
                 self._pending.append(self._submit_batch())
             rollout_data = concat_rollouts(self._wait("rollout", batch.rollouts, "generated rollouts"))
@@ -297,49 +300,33 @@ class HybridTrainer:
             critic_futures = self._rank_tasks("critic", critic.update, experience, critic_rows, critic_workers,
                                               critic_step)
         results = self._wait("actor", futures, "the policy update")
-        losses = _sum_stats(stats for stats, _ in results)
+        losses = sum_stats(stats for stats, _ in results)
         losses["grad_norm"] /= len(actor_workers)  # the same norm is reported by every rank
         if tc.algorithm == "ppo":
-            critic_losses = _sum_stats(self._wait("critic", critic_futures, "the critic update"))
+            critic_losses = sum_stats(self._wait("critic", critic_futures, "the critic update"))
             critic_losses["critic_grad_norm"] = critic_losses.pop("grad_norm") / len(critic_workers)
             losses.update(critic_losses)
         self.weights = results[0][1]
         self.version = self.weights.version
         self.routes.after_publish(self.weights, actor_workers[0])
-        return _normalise_stats(losses, tc.ppo_epochs * tc.mini_batches)
+        return normalise_update_stats(losses, tc.ppo_epochs * tc.mini_batches)
 
     def _rank_tasks(self, role, fn, experience, rows, workers, step) -> list:
         """One task per rank, pinned to its worker (ranks must run at the same time)."""
-        groups = self._process_group(role, workers)
+        backend = self.resources.comm_backend
+        if backend == "auto":
+            backend = "nccl" if self.resources.role(role).device_type == "cuda" else "gloo"
+        # A lost actor rank with nothing exported: restart from the last published weights.
+        fallback = self.weights.path if role == "actor" and self.weights is not None else None
+        groups = self.groups.ranks(role, workers, backend=backend, timeout_seconds=self.resources.timeout_seconds,
+                                   fallback_restore=fallback)
         return [submit(self.client, role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,
                        tag=f"{self.version}-r{rank}", workers=[address])
                 for rank, address in enumerate(workers)]
 
-    def _process_group(self, role: str, workers: list[str]) -> list[GroupInfo]:
-        """GroupInfo per rank; a new generation (and rendezvous port) when membership changes."""
-        members = tuple(workers)
-        known = self._groups.get(role)
-        restore = None
-        if known is None or known[0] != members:
-            generation = 0 if known is None else known[1] + 1
-            host = live_workers(self.client)[members[0]]["host"]
-            port = self.client.run(_free_port, workers=[members[0]])[members[0]]
-            self._groups[role] = known = (members, generation, f"tcp://{host}:{port}")
-            restore = self.restore_paths.pop(role, None)
-            if restore is None and generation > 0 and role == "actor" and self.weights is not None:
-                restore = self.weights.path  # a rank was lost: restart from the last published weights
-        backend = self.resources.comm_backend
-        if backend == "auto":
-            backend = "nccl" if self.resources.role(role).device_type == "cuda" else "gloo"
-        return [GroupInfo(rank=rank, world_size=len(members), init_method=known[2], backend=backend,
-                          generation=known[1], timeout_seconds=self.resources.timeout_seconds,
-                          restore_path=restore)
-                for rank in range(len(members))]
-
     def group_members(self, role: str) -> tuple[str, ...] | None:
         """The workers of the role's current process group, rank order."""
-        known = self._groups.get(role)
-        return known[0] if known else None
+        return self.groups.members(role)
 
     def _role_addresses(self, role: str) -> list[str]:
         return [w["address"] for w in self.cluster.workers_of(role)]
@@ -352,7 +339,7 @@ class HybridTrainer:
         width = max(p.shape[1] for p in parts)
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
-    # -- adaptive scaling: resources.adaptive decides, update_resource applies --------------
+    # -- adaptive scaling: resources.adaptive decides, update_resource applies (elastic.py) --
     def adapt(self, bounds: dict[str, tuple[int, int]] | None = None, interval: float = 2.0, wait_count: int = 3,
               **policy: Any) -> RoleAdaptive:
         """Move devices/workers from idle roles to starved ones while training runs.
@@ -365,63 +352,15 @@ class HybridTrainer:
         `adaptive_decisions`. `policy`: window=, thresholds=, spare= (see RoleAdaptive).
         Runs until stop_adapting(), the end of train() or close().
         """
-        bounds = self.resources.adaptive if bounds is None else bounds
-        if not bounds:
-            raise ValueError("adapt: no bounds. Fix: pass bounds={'rollout': (1, 3), ...} or add an "
-                             "`adaptive:` section to the resource file")
-        for role in bounds:
-            if role not in self.roles or self.resources.role(role).placed_with:
-                raise ValueError(f"adapt: {role!r} cannot be scaled on its own here. Fix: bound one of "
-                                 f"{[r for r in self.roles if not self.resources.role(r).placed_with]}")
         self.stop_adapting()
-        self._adaptive = RoleAdaptive(
-            self.client, bounds, move=self._adaptive_move, resize=self._adaptive_resize, interval=interval,
-            wait_count=wait_count, pools={role: self.resources.role(role).device_type for role in bounds},
-            decisions=self.adaptive_decisions, **policy).start()
+        self._adaptive = elastic.start_adaptive(self, bounds, interval=interval, wait_count=wait_count, **policy)
         return self._adaptive
 
     def stop_adapting(self) -> None:
         """Stop adaptive scaling; a move in progress finishes first."""
         adaptive, self._adaptive = self._adaptive, None
-        if adaptive is None:
-            return
-        adaptive.stop(timeout=0)
-        deadline = time.monotonic() + self.resources.timeout_seconds
-        while adaptive.running and time.monotonic() < deadline:
-            if not self._training:  # an actor/critic move waits for a step boundary: give it one
-                self._apply_boundary_changes()
-            adaptive.stop(timeout=0.2)
-
-    def _adaptive_move(self, source: str, target: str, reason: str) -> None:
-        """One worker (CPU roles) or device (GPU roles) from `source` to `target`."""
-        take, give = self.resources.role(source), self.resources.role(target)
-        if take.device_type == "cpu":  # shrink first: the freed core goes to the new worker
-            first = (source, {"workers": take.workers - 1}, {"workers": take.workers})
-            second = (target, {"workers": give.workers + 1})
-        else:
-            device = take.device_ids[-1]
-            remove = (source, {"device_ids": [i for i in take.device_ids if i != device]},
-                      {"device_ids": list(take.device_ids)})
-            add = (target, {"device_ids": [*give.device_ids, device]}, {"device_ids": list(give.device_ids)})
-            # Shared devices may briefly hold both roles: the target gets it before the source lets go.
-            first, second = (add, remove) if self.resources.allow_shared_devices else (remove, add)
-        self.update_resource(first[0], **first[1])
-        try:
-            self.update_resource(second[0], **second[1])
-        except Exception:
-            self.update_resource(first[0], **first[2])  # undo: the device goes back where it was
-            raise
-
-    def _adaptive_resize(self, role: str, workers: int, reason: str) -> None:
-        spec = self.resources.role(role)
-        if spec.device_type == "cpu":
-            self.update_resource(role, workers=workers)
-        elif workers <= len(spec.device_ids):
-            self.update_resource(role, device_ids=list(spec.device_ids[:workers]))
-        else:
-            raise ValueError(f"adapt: {role} cannot grow to {workers} GPUs: no spare GPU is known; it can only "
-                             f"take one from another role")
-    # -- end of adaptive scaling --------------------------------------------------------------
+        if adaptive is not None:
+            elastic.stop_adaptive(self, adaptive)
 
     def close(self) -> None:
         self.stop_adapting()
@@ -433,32 +372,3 @@ class HybridTrainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _free_port() -> int:
-    """Runs on rank 0's worker: a port free there for the process-group rendezvous."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _sum_stats(items) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for stats in items:
-        for key, value in stats.items():
-            totals[key] = totals.get(key, 0.0) + value
-    return totals
-
-
-def _normalise_stats(totals: dict[str, float], optimizer_steps: int) -> dict[str, float]:
-    """Token-weighted sums -> fractions; per-step sums -> means over the optimizer steps."""
-    tokens = max(totals.pop("tokens", 0.0), 1.0)
-    out = {key: value / optimizer_steps for key, value in totals.items()}
-    if "clip_tokens" in out:
-        out["clip_frac"] = totals["clip_tokens"] / tokens
-        out["is_weight_mean"] = totals.pop("is_weight_sum") / tokens
-        out.pop("clip_tokens")
-        out.pop("is_weight_sum", None)
-    return out

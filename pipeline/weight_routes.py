@@ -9,6 +9,7 @@ Dask transfer is the fallback a reader uses by itself when neither reached it.
 from __future__ import annotations
 
 from pipeline import weights
+from pipeline.groups import free_port
 from pipeline.roles import sync
 from pipeline.tasks import wait_role
 from resources.cluster import RoleCluster
@@ -54,9 +55,7 @@ class WeightRoutes:
         members = (actor_address, *targets)
         if self._channel is None or self._channel[0] != members:
             # New membership: a new rendezvous (fresh port) and a new group.
-            from pipeline.trainer import _free_port
-
-            port = client.run(_free_port, workers=[actor_address])[actor_address]
+            port = client.run(free_port, workers=[actor_address])[actor_address]
             self._channel = (members, f"tcp://{actor_host}:{port}")
         if self._layout is None:
             self._layout = client.submit(sync.weight_layout, resources={"actor": 1}, workers=[actor_address],

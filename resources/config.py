@@ -3,21 +3,23 @@
 The file is the contract between the user and the cluster (DESIGN.md). Every bad file gets
 one ResourceConfigError naming the file, the key path, the value and the fix, raised before
 anything starts: a typo found after a model has loaded on four GPUs costs minutes.
+
+This module holds the types (RoleSpec, ResourceConfig, AdaptiveBounds, FrozenMap,
+ResourceConfigError), the file's constants, the YAML reader and the public load/parse
+functions; the validation pass itself (`_Parser`) lives in resources.validate, which imports
+these types, so it is imported here inside the functions that use it.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from resources import devices
 from resources.devices import GpuInfo
 
 __all__ = ["ROLES", "STRATEGIES", "AdaptiveBounds", "ResourceConfig", "ResourceConfigError",
@@ -37,7 +39,6 @@ ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args")
 TOP_KEYS = ROLES + ("comm_backend", "timeout_seconds", "allow_shared_devices",
                     "allow_busy_devices", "adaptive", "train")
 _TRAINED_ROLES = ("actor", "critic")  # the roles that form a torch.distributed group
-_MISSING: Any = object()
 
 
 class ResourceConfigError(ValueError):
@@ -107,6 +108,7 @@ class ResourceConfig:
 
     def role(self, name: str) -> RoleSpec:
         if name not in self.roles:
+            from resources.validate import _did_you_mean  # validate imports this module
             raise KeyError(f"unknown role {name!r}{_did_you_mean(name, ROLES)}; roles: {ROLES}")
         return self.roles[name]
 
@@ -145,6 +147,7 @@ class ResourceConfig:
         actor moves defaulted critic/reference with it."""
         data = self.to_dict()
         data[spec.role] = _role_dict(spec)
+        from resources.validate import _Parser  # validate imports this module
         return _Parser(self.source, gpus, owned=set(self.gpu_ids)).parse(data)
 
 
@@ -169,6 +172,7 @@ def load_resource_config(source: str | os.PathLike | Mapping, *,
 
 def parse_resource_config(data: Mapping, *, source: str = "<dict>",
                           gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
+    from resources.validate import _Parser  # validate imports this module
     return _Parser(source, gpus, owned=set()).parse(data)
 
 
@@ -204,266 +208,3 @@ def _read_yaml(path: Path, name: str) -> Any:
                "correct the YAML there (indentation, a missing ':' or an unclosed bracket)")
         problem = f"invalid YAML ({problem})"
         raise ResourceConfigError(name, where, None, problem, fix) from None
-
-
-def _show(value: Any) -> str:
-    """A value as the user wrote it in YAML, so the message matches the file."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def _did_you_mean(word: object, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(str(word), options, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # YAML `true` is no GPU id
-
-
-def _is_positive_number(value: Any) -> bool:
-    # inf is rejected too: a timeout of inf is a silent hang, which DESIGN.md rules out.
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
-
-
-def _example_ids(ids: Sequence[int]) -> list[int]:
-    """The list the user probably meant: their ids once each, padded with the next ones."""
-    once = list(dict.fromkeys(ids))
-    return once + list(range(max(once) + 1, max(once) + 1 + len(ids) - len(once)))
-
-
-def _default_strategy(role: str, workers: int) -> str:
-    if role == "rollout":
-        return "hf"  # runs everywhere; vllm is opt-in
-    if role in _TRAINED_ROLES:
-        return "none" if workers == 1 else "ddp"
-    return "none" if workers == 1 else "data_parallel"
-
-
-def _placed_with_actor(actor: RoleSpec, role: str) -> RoleSpec:
-    """critic/reference left out of the file share the actor's devices (DESIGN.md default)."""
-    # The critic has the actor's shape, so the actor's parallelism fits it too.
-    strategy = actor.strategy if role == "critic" else _default_strategy(role, actor.workers)
-    return RoleSpec(role, actor.device_type, actor.device_ids, actor.workers, strategy,
-                    placed_with="actor")
-
-
-class _Parser:
-    """One validation pass. Raises at the first problem: one clear error beats ten."""
-
-    def __init__(self, source: str, gpus: Sequence[GpuInfo] | None, owned: set[int]):
-        self.source, self.gpus, self.owned = source, gpus, owned
-
-    def error(self, path: str, value: Any, problem: str, fix: str) -> ResourceConfigError:
-        shown = None if value is _MISSING else _show(value)
-        return ResourceConfigError(self.source, path, shown, problem, fix)
-
-    def parse(self, data: Any) -> ResourceConfig:
-        if not isinstance(data, Mapping):
-            raise self.error("", data, "the file must map roles to settings",
-                             "start from the example in DESIGN.md (actor: ..., reward: ...)")
-        self.check_keys(data, TOP_KEYS, prefix="")
-        config = ResourceConfig(
-            roles=FrozenMap(self.roles(data)),
-            comm_backend=self.scalar(data, "comm_backend", "auto", COMM_BACKENDS.__contains__,
-                                     "not a backend", "use nccl, gloo or auto"),
-            timeout_seconds=float(self.scalar(data, "timeout_seconds", 180.0, _is_positive_number,
-                                              "expected a number of seconds > 0",
-                                              "use e.g. timeout_seconds: 180")),
-            allow_shared_devices=self.flag(data, "allow_shared_devices"),
-            allow_busy_devices=self.flag(data, "allow_busy_devices"),
-            adaptive=FrozenMap(self.adaptive(data.get("adaptive"), data)),
-            source=self.source)
-        self.check_backend(config)
-        self.check_overlap(config)
-        self.check_devices(config)
-        return config
-
-    def check_keys(self, data: Mapping, allowed: Sequence[str], prefix: str) -> None:
-        for key in data:
-            if key not in allowed:
-                hint = _did_you_mean(key, allowed)
-                raise self.error(f"{prefix}{key}", _MISSING, f"unknown key{hint}",
-                                 f"use one of {', '.join(allowed)}")
-
-    def scalar(self, data: Mapping, key: str, default: Any, valid: Callable[[Any], bool],
-               problem: str, fix: str) -> Any:
-        value = data.get(key, default)
-        if not valid(value):
-            raise self.error(key, value, problem, fix)
-        return value
-
-    def flag(self, data: Mapping, key: str) -> bool:
-        return self.scalar(data, key, False, lambda v: isinstance(v, bool),
-                           "expected true or false", f"write {key}: true or {key}: false")
-
-    def roles(self, data: Mapping) -> dict[str, RoleSpec]:
-        for role in REQUIRED_ROLES:
-            if role not in data:
-                raise self.error(role, _MISSING, "missing: actor, reward and rollout are required",
-                                 f"add e.g. {role}: {{device_type: cpu, workers: 1}}")
-        parsed = {role: self.role(role, data[role]) for role in ROLES if role in data}
-        for role in ("critic", "reference"):
-            parsed.setdefault(role, _placed_with_actor(parsed["actor"], role))
-        return {role: parsed[role] for role in ROLES}
-
-    def role(self, role: str, raw: Any) -> RoleSpec:
-        if not isinstance(raw, Mapping):
-            raise self.error(role, raw, "a role must be a mapping of settings",
-                             f"write e.g. {role}: {{device_type: cuda, device_ids: [0]}}")
-        self.check_keys(raw, ROLE_KEYS, prefix=f"{role}.")
-        device_type = self.device_type(role, raw.get("device_type", _MISSING))
-        if device_type == "cuda":
-            ids = self.cuda_ids(role, raw.get("device_ids", _MISSING))
-            workers = raw.get("workers", len(ids))
-            if not _is_int(workers) or workers != len(ids):  # one worker process per GPU
-                raise self.error(f"{role}.workers", workers,
-                                 f"a cuda role runs one worker per GPU, so workers is {len(ids)}",
-                                 "remove workers, or list one GPU per worker in device_ids")
-        else:
-            ids, workers = self.cpu_workers(role, raw)
-        strategy = self.strategy(role, raw.get("strategy", _MISSING), workers)
-        vllm_args = self.vllm_args(role, raw.get("vllm_args", _MISSING), strategy)
-        return RoleSpec(role, device_type, ids, workers, strategy, vllm_args)
-
-    def device_type(self, role: str, value: Any) -> str:
-        if value in DEVICE_TYPES:
-            return value
-        fix = "use cuda" if str(value).lower() in ("gpu", "cuda", "nvidia") else "use cuda or cpu"
-        problem = "missing" if value is _MISSING else "not a device type"
-        raise self.error(f"{role}.device_type", value, problem, fix)
-
-    def cuda_ids(self, role: str, ids: Any) -> tuple[int, ...]:
-        path = f"{role}.device_ids"
-        if ids is _MISSING or ids is None:
-            raise self.error(path, _MISSING, "missing: a cuda role needs the GPUs it runs on",
-                             "add e.g. device_ids: [0] (one worker per GPU), or use cpu")
-        if not isinstance(ids, (list, tuple)):
-            raise self.error(path, ids, "not a list of GPU ids",
-                             f"write a list, e.g. [{_show(ids)}]")
-        if not ids:
-            raise self.error(path, ids, "no GPUs listed", "list at least one GPU, e.g. [0], "
-                             "or use device_type: cpu with workers: N")
-        for i in ids:
-            if not _is_int(i) or i < 0:
-                raise self.error(path, ids, f"{_show(i)} is not a GPU id (an integer >= 0)",
-                                 "use NVML indexes as nvidia-smi shows them, e.g. [0, 1]")
-            if ids.count(i) > 1:
-                raise self.error(path, ids, f"GPU {i} is listed twice",
-                                 f"list each GPU once, e.g. {_show(_example_ids(ids))}")
-        return tuple(ids)
-
-    def cpu_workers(self, role: str, raw: Mapping) -> tuple[tuple[int, ...], int]:
-        ids = raw.get("device_ids", [])
-        if ids not in ([], None):
-            raise self.error(f"{role}.device_ids", ids, "a cpu role takes no GPU ids",
-                             "write device_ids: [] (or remove it), or use device_type: cuda")
-        workers = raw.get("workers", 1)
-        if not _is_int(workers) or workers < 1:
-            raise self.error(f"{role}.workers", workers, "not an integer >= 1",
-                             "set workers: 1 or more")
-        return (), workers
-
-    def strategy(self, role: str, value: Any, workers: int) -> str:
-        path, options = f"{role}.strategy", STRATEGIES[role]
-        if value is _MISSING:
-            return _default_strategy(role, workers)
-        if value not in options:
-            raise self.error(path, value, f"not a {role} strategy{_did_you_mean(value, options)}",
-                             f"use one of {', '.join(options)}")
-        if value == "none" and workers > 1:
-            better = "ddp or fsdp" if role in _TRAINED_ROLES else "data_parallel"
-            raise self.error(path, value, f"'none' runs one {role} worker but {workers} are set",
-                             f"use strategy: {better} to use all {workers}, or give the role "
-                             "one device")
-        return value
-
-    def vllm_args(self, role: str, args: Any, strategy: str) -> tuple[tuple[str, object], ...]:
-        path = f"{role}.vllm_args"
-        if args is _MISSING:
-            return ()
-        if strategy != "vllm":
-            raise self.error(path, args, f"vllm_args only apply to strategy vllm, not {strategy!r}",
-                             "remove vllm_args, or set strategy: vllm")
-        if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
-            raise self.error(path, args, "not a mapping of vLLM engine arguments",
-                             "write e.g. vllm_args: {gpu_memory_utilization: 0.85}")
-        # Each rollout worker owns exactly one GPU, so a tensor-parallel engine cannot start.
-        if args.get("tensor_parallel_size", 1) != 1:
-            raise self.error(f"{path}.tensor_parallel_size", args["tensor_parallel_size"],
-                             "each rollout worker gets one GPU",
-                             "use 1, and list more device_ids to run more engines")
-        return tuple(args.items())
-
-    def adaptive(self, raw: Any, data: Mapping) -> dict[str, AdaptiveBounds]:
-        if not isinstance(raw, (Mapping, type(None))):
-            raise self.error("adaptive", raw, "expected a mapping of roles to bounds",
-                             "write e.g. adaptive: {rollout: {min: 1, max: 3}}")
-        return {role: self.bounds(role, b, data) for role, b in (raw or {}).items()}
-
-    def bounds(self, role: Any, raw: Any, data: Mapping) -> AdaptiveBounds:
-        path, example = f"adaptive.{role}", f"write e.g. {role}: {{min: 1, max: 3}}"
-        if role not in ROLES:
-            raise self.error(path, _MISSING, f"not a role{_did_you_mean(role, ROLES)}",
-                             f"use one of {', '.join(ROLES)}")
-        if role not in data:  # a defaulted role lives on the actor's devices: it can't move alone
-            raise self.error(path, raw, f"{role} is not in the file (it is placed with the actor)",
-                             f"add a {role} section with its own devices, or remove {path}")
-        if not isinstance(raw, Mapping) or set(raw) != {"min", "max"}:
-            raise self.error(path, raw, "bounds need exactly min and max", example)
-        low, high = raw["min"], raw["max"]
-        if not (_is_int(low) and _is_int(high) and 1 <= low <= high):
-            raise self.error(path, raw, "need integers with 1 <= min <= max", example)
-        return AdaptiveBounds(low, high)
-
-    def check_backend(self, config: ResourceConfig) -> None:
-        if config.comm_backend != "nccl":
-            return
-        for role in _TRAINED_ROLES:  # the process groups that comm_backend is for
-            if config.roles[role].device_type != "cuda":
-                raise self.error("comm_backend", "nccl", f"NCCL needs GPUs but {role} runs on cpu",
-                                 "use comm_backend: gloo, or auto (gloo for a cpu actor)")
-
-    def check_overlap(self, config: ResourceConfig) -> None:
-        if config.allow_shared_devices:
-            return
-        owner: dict[int, RoleSpec] = {}
-        for spec in config.roles.values():
-            for i in spec.device_ids:
-                other = owner.setdefault(i, spec)
-                # Defaulted critic/reference sit on the actor's GPUs: that is the default.
-                if (other.placed_with or other.role) != (spec.placed_with or spec.role):
-                    raise self.error(f"{spec.role}.device_ids", spec.device_ids,
-                                     f"GPU {i} is also used by {other.role}",
-                                     "give each role its own GPUs, or set allow_shared_devices: "
-                                     "true to co-locate them on purpose (one-GPU machines)")
-
-    def check_devices(self, config: ResourceConfig) -> None:
-        cuda = [spec for spec in config.roles.values() if spec.device_type == "cuda"]
-        if not cuda:
-            return  # a CPU-only file must load without NVML
-        gpus = list(self.gpus) if self.gpus is not None else devices.get_gpu_usage()
-        if not gpus:
-            ok, reason = devices.nvml_status() if self.gpus is None else (False, "none given")
-            raise self.error(f"{cuda[0].role}.device_type", "cuda", "this machine has no usable "
-                             f"NVIDIA GPU ({reason if not ok else 'NVML reports 0 GPUs'})",
-                             f"use device_type: cpu with workers: {cuda[0].workers}")
-        have = sorted(g.index for g in gpus)
-        busy = {} if config.allow_busy_devices else devices.busy_gpus(gpus)
-        for spec in cuda:
-            path = f"{spec.role}.device_ids"
-            for i in spec.device_ids:
-                if i not in have:
-                    raise self.error(path, spec.device_ids, f"GPU {i} does not exist; this "
-                                     f"machine has GPUs {_show(have)}",
-                                     "use ids from that list (NVML order, as nvidia-smi shows)")
-                if i in busy and i not in self.owned:
-                    raise self.error(path, spec.device_ids, f"GPU {i} is busy ({busy[i]})",
-                                     "pick a free GPU, stop what runs there, or set "
-                                     "allow_busy_devices: true to share it anyway")

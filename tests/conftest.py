@@ -30,14 +30,18 @@ def shared_config():
     return load_resource_config(SHARED_LAYOUT)
 
 
-@pytest.fixture(scope="session")
-def shared_cluster(shared_config):
+def role_cluster(config):
+    """A fresh local cluster with one worker per planned role worker (close it after use)."""
     from resources.cluster import RoleCluster
     from resources.plan import plan_workers
 
-    cluster = RoleCluster(plan_workers(shared_config), dashboard_address=":0")
-    yield cluster
-    cluster.close()
+    return RoleCluster(plan_workers(config), dashboard_address=":0")
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(shared_config):
+    with role_cluster(shared_config) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

@@ -67,3 +67,11 @@ def test_quickstart_learns_to_answer_with_digits(tmp_path):
     # digit_fraction of a random tiny model's text is ~0.3; PPO drives it to ~0.9.
     assert last >= first + 0.3, (first, last)
     assert "mean reward of the first" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_python_example_runs():
+    result = subprocess.run([sys.executable, "examples/python_api.py"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "reward " in result.stdout and "rollout: +['rollout-1']" in result.stdout

@@ -27,6 +27,22 @@ def response_mask_until_eos(responses: torch.Tensor, eos_id: int) -> torch.Tenso
     return (eos_before == 0).float()
 
 
+def assemble_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                     logprobs: torch.Tensor, group_ids: list[int], eos_id: int, policy_version: int) -> Rollout:
+    """A Rollout from left-padded prompts (B, P) and right-padded responses with their
+    sampled tokens' logprobs (B, R); the same record whatever engine generated it."""
+    response_mask = response_mask_until_eos(responses, eos_id)
+    return Rollout(
+        input_ids=torch.cat([prompt_ids, responses], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+        response_mask=response_mask,
+        behavior_logprobs=logprobs * response_mask,
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        policy_version=policy_version,
+        prompt_length=prompt_ids.shape[1],
+    )
+
+
 class HFEngine:
     """Samples with plain `model.generate`, returning the sampled tokens' logprobs."""
 
@@ -53,16 +69,7 @@ class HFEngine:
         # distribution the actor's loss evaluates, so ratios start at 1 on-policy.
         logits = torch.stack(out.logits, dim=1).float().cpu()
         logprobs = logprobs_from_logits(logits, responses, request.temperature)
-        response_mask = response_mask_until_eos(responses, self.eos_id)
-        return Rollout(
-            input_ids=torch.cat([ids, responses], dim=1),
-            attention_mask=torch.cat([mask, response_mask.long()], dim=1),
-            response_mask=response_mask,
-            behavior_logprobs=logprobs * response_mask,
-            group_ids=torch.tensor(groups, dtype=torch.long),
-            policy_version=policy_version,
-            prompt_length=ids.shape[1],
-        )
+        return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state, strict=False)

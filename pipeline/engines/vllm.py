@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from pipeline.engines.hf import left_pad, response_mask_until_eos
+from pipeline.engines.hf import assemble_rollout, left_pad
 from pipeline.records import GenerationRequest, Rollout
 
 # Defaults for vLLM on a CPU machine, set only where the caller has not set them:
@@ -91,16 +91,7 @@ class VLLMEngine:
         prompts_rep = [p for p in request.prompt_ids for _ in range(n)]
         groups = [g for g in request.group_ids for _ in range(n)]
         ids, mask = left_pad(prompts_rep, self.pad_id)
-        response_mask = response_mask_until_eos(responses, self.eos_id)
-        return Rollout(
-            input_ids=torch.cat([ids, responses], dim=1),
-            attention_mask=torch.cat([mask, response_mask.long()], dim=1),
-            response_mask=response_mask,
-            behavior_logprobs=logprobs * response_mask,
-            group_ids=torch.tensor(groups, dtype=torch.long),
-            policy_version=policy_version,
-            prompt_length=ids.shape[1],
-        )
+        return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a full new state (HF checkpoint names) into the running engine: no restart.

@@ -65,8 +65,7 @@ class ActorRole:
         state = self.trainer.full_state_dict()   # collective under FSDP: every rank calls it
         if state is None:
             return totals, None
-        handle = weights.publish(state, step.next_version, step.snapshot_dir, transport=step.transport)
-        return totals, dataclasses.replace(handle, address=get_worker().address)
+        return totals, weights.publish(state, step.next_version, step.snapshot_dir, transport=step.transport)
 
     @torch.no_grad()
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
@@ -96,7 +95,10 @@ class ActorRole:
 def update(mini_batches: list[Experience], group: GroupInfo,
            step: PolicyStep) -> tuple[dict[str, float], weights.WeightHandle | None]:
     """Task: one rank's part of a policy update."""
-    return role_state("actor").update(mini_batches, group, step)
+    stats, handle = role_state("actor").update(mini_batches, group, step)
+    if handle is not None:  # where readers on other hosts fetch it from (the Dask fallback)
+        handle = dataclasses.replace(handle, address=get_worker().address)
+    return stats, handle
 
 
 def export_state(path: str) -> str | None:

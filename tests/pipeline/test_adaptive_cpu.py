@@ -9,6 +9,7 @@ import logging
 import time
 
 import pytest
+from conftest import role_cluster
 
 from pipeline.rewards import digit_fraction
 from pipeline.trainer import HybridTrainer
@@ -32,13 +33,9 @@ ROLLOUT_BOUND = dict(algorithm="grpo", samples_per_prompt=2, prompts_per_step=16
 
 
 @pytest.fixture(scope="module")
-def adaptive_cluster():
-    from resources.cluster import RoleCluster
-    from resources.plan import plan_workers
-
-    cluster = RoleCluster(plan_workers(load_resource_config(LAYOUT)), dashboard_address=":0")
-    yield cluster
-    cluster.close()
+def adaptive_cluster():  # these tests add, retire or kill workers: a cluster of their own
+    with role_cluster(load_resource_config(LAYOUT)) as cluster:
+        yield cluster
 
 
 def _count(cluster, role):

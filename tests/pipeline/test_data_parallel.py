@@ -15,7 +15,7 @@ from pipeline.roles import actor
 from pipeline.roles.host import RoleHost, plugin_name
 from pipeline.roles.training import GroupInfo
 from pipeline.tasks import submit
-from pipeline.trainer import _free_port
+from pipeline.groups import free_port
 from resources.cluster import live_workers
 
 
@@ -59,7 +59,7 @@ def test_two_rank_update_matches_one_rank(strategy, shared_cluster, tiny_model, 
     recipe = functools.partial(actor.ActorRole, tiny_model, device="cpu", lr=1e-2, strategy=strategy)
     client.register_plugin(RoleHost("actor", recipe, torch_threads=1), name=plugin_name("actor"))
     workers = [w["address"] for w in shared_cluster.workers_of("actor")]
-    port = client.run(_free_port, workers=[workers[0]])[workers[0]]
+    port = client.run(free_port, workers=[workers[0]])[workers[0]]
     host = live_workers(client)[workers[0]]["host"]
     shards = rank_shards(len(experience), 2, mini_batches)
     step = _step(experience, mini_batches, str(tmp_path / "two"))

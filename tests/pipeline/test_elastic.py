@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from conftest import role_cluster
 import torch
 
 from pipeline import weights
@@ -32,13 +33,9 @@ GRPO = dict(algorithm="grpo", samples_per_prompt=2, prompts_per_step=8, max_new_
 
 
 @pytest.fixture(scope="module")
-def elastic_cluster():
-    from resources.cluster import RoleCluster
-    from resources.plan import plan_workers
-
-    cluster = RoleCluster(plan_workers(load_resource_config(LAYOUT)), dashboard_address=":0")
-    yield cluster
-    cluster.close()
+def elastic_cluster():  # these tests add, retire or kill workers: a cluster of their own
+    with role_cluster(load_resource_config(LAYOUT)) as cluster:
+        yield cluster
 
 
 def _names(cluster, role):

@@ -106,3 +106,17 @@ def test_weights_reach_rollout_workers_by_broadcast_and_by_the_dask_fallback(mod
         assert started("actor-send-weights-v1") and started("rollout-receive-weights-v1-r2")
     else:
         assert started("actor-fetch-snapshot-v1")
+
+
+def test_a_built_transformers_model_object_is_accepted_as_the_policy(shared_cluster, shared_config, tiny_model,
+                                                                     prompts, tmp_path):
+    from pipeline.models import load_causal_lm, load_tokenizer
+
+    model, tokenizer = load_causal_lm(tiny_model), load_tokenizer(tiny_model)
+    trainer = HybridTrainer(model, digit_fraction, shared_config, algorithm="grpo", prompts=prompts,
+                            tokenizer=tokenizer, output_dir=str(tmp_path), cluster=shared_cluster, steps=1,
+                            samples_per_prompt=2, **SMALL)
+    # The object was saved once for the workers to load; it did not travel through Dask.
+    assert (tmp_path / "actor-init" / "config.json").exists()
+    (record,) = trainer.train()
+    assert record.policy_version == 1 and record.tokens > 0

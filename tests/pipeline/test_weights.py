@@ -15,6 +15,7 @@ import torch
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from pipeline import weights
+from pipeline.groups import free_port
 from pipeline.roles import sync
 from pipeline.roles.host import RoleHost, plugin_name
 
@@ -100,16 +101,8 @@ def pair():
     cluster.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def _init_method(client, address) -> str:
-    return f"tcp://127.0.0.1:{client.run(_free_port, workers=[address])[address]}"
+    return f"tcp://127.0.0.1:{client.run(free_port, workers=[address])[address]}"
 
 
 def test_dask_fallback_between_workers(pair, tmp_path):
@@ -248,7 +241,7 @@ def test_nccl_broadcast_channel_is_bit_exact():
     import json
     import os
 
-    code, init_method = _child(_NCCL_CHILD), f"tcp://127.0.0.1:{_free_port()}"
+    code, init_method = _child(_NCCL_CHILD), f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), init_method], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)})
              for rank in (0, 1)]

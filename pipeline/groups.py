@@ -1,0 +1,54 @@
+"""Driver-side bookkeeping of the trainable roles' torch.distributed groups.
+
+Each role (actor, critic) has one group across its workers. When the membership changes (a
+resize, a lost worker) the group gets a new generation and a new rendezvous port, and its
+ranks rebuild from a saved state (see GroupInfo.restore_path).
+"""
+
+from __future__ import annotations
+
+from distributed import Client
+
+from pipeline.roles.training import GroupInfo
+from resources.cluster import live_workers
+
+
+def free_port() -> int:
+    """Runs on rank 0's worker: a port free there for a rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class ProcessGroups:
+    def __init__(self, client: Client):
+        self.client = client
+        self._groups: dict[str, tuple[tuple[str, ...], int, str]] = {}   # role -> (members, generation, init)
+        self.restore_paths: dict[str, str] = {}   # role -> state the next generation starts from
+
+    def members(self, role: str) -> tuple[str, ...] | None:
+        """The workers of the role's current group, in rank order."""
+        known = self._groups.get(role)
+        return known[0] if known else None
+
+    def ranks(self, role: str, workers: list[str], *, backend: str, timeout_seconds: float,
+              fallback_restore: str | None = None) -> list[GroupInfo]:
+        """GroupInfo per rank of `workers`; a new generation when the membership changed.
+
+        `fallback_restore` is used when the membership changed without an exported state
+        (a rank was lost): the actor passes its last published weights.
+        """
+        members = tuple(workers)
+        known = self._groups.get(role)
+        restore = None
+        if known is None or known[0] != members:
+            generation = 0 if known is None else known[1] + 1
+            host = live_workers(self.client)[members[0]]["host"]
+            port = self.client.run(free_port, workers=[members[0]])[members[0]]
+            self._groups[role] = known = (members, generation, f"tcp://{host}:{port}")
+            restore = self.restore_paths.pop(role, None) or (fallback_restore if generation > 0 else None)
+        return [GroupInfo(rank=rank, world_size=len(members), init_method=known[2], backend=backend,
+                          generation=known[1], timeout_seconds=timeout_seconds, restore_path=restore)
+                for rank in range(len(members))]
