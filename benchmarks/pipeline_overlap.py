@@ -102,7 +102,7 @@ def run_setting(cluster, run, model_dir: str, reward_fn, train: dict, staleness:
             stop = time.time()
             cpu_after, load_after = role_cpu(cluster), os.getloadavg()[0]
         finally:
-            trainer._pending.clear()   # drop the batches still in flight; their futures are released
+            trainer.close()   # drops the batches still in flight; the shared cluster stays up
             shutil.rmtree(trainer.snapshot_dir, ignore_errors=True)
     wall = stop - start
     workers = {role: max(1, len(cluster.workers_of(role))) for role in ROLES}

@@ -70,7 +70,7 @@ def run_curve(cluster, run, reward_fn, *, seed: int, staleness: int, steps: int,
         try:
             return trainer.train(steps)
         finally:
-            trainer._pending.clear()   # drop batches still in flight; their futures are released
+            trainer.close()   # drops the batches still in flight; the shared cluster stays up
             shutil.rmtree(trainer.snapshot_dir, ignore_errors=True)
 
 

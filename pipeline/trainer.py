@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -99,6 +100,7 @@ class HybridTrainer:
         workers = [w for w in plan_workers(config) if w.role in roles]
         if cluster is None and scheduler_address is not None:
             cluster = RoleCluster.connect(scheduler_address, self.roles, timeout=config.timeout_seconds)
+        self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
         self.cluster = cluster or RoleCluster(workers, dashboard_address=dashboard_address)
         self.client = self.cluster.client
         self.groups = ProcessGroups(self.client)
@@ -290,7 +292,9 @@ class HybridTrainer:
             clip_ratio=tc.clip_ratio, kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
             temperature=tc.temperature, micro_batch_size=tc.micro_batch_size, epochs=tc.ppo_epochs,
             is_cap=tc.is_cap, normalizers=normalizers, next_version=self.version + 1, snapshot_dir=self.snapshot_dir,
-            transport=self.routes.publish_transport())
+            transport=self.routes.publish_transport(),
+            # A batch submitted at version v may start generating after v+N is out: keep v.
+            keep_versions=tc.max_staleness + 2)
         futures = self._rank_tasks("actor", actor.update, experience, rows, actor_workers, policy_step)
         if tc.algorithm == "ppo":
             critic_workers = self._role_addresses("critic")
@@ -363,9 +367,17 @@ class HybridTrainer:
             elastic.stop_adaptive(self, adaptive)
 
     def close(self) -> None:
+        """Stop adapting, drop in-flight batches, delete the weight snapshots and close the
+        cluster this trainer started (a cluster passed in with `cluster=` stays up)."""
         self.stop_adapting()
+        for batch in self._pending:
+            self.client.cancel(batch.rollouts + batch.scores + batch.ref_logprobs + batch.values)
         self._pending.clear()
-        self.cluster.close()
+        for address in self._role_addresses("actor"):  # snapshots live on the actor's host
+            self.client.run(shutil.rmtree, self.snapshot_dir, True, workers=[address])
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if self._owns_cluster:
+            self.cluster.close()
 
     def __enter__(self) -> HybridTrainer:
         return self

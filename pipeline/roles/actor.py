@@ -31,6 +31,7 @@ class PolicyStep:
     next_version: int                # the version the updated weights are published as
     snapshot_dir: str
     transport: str = "shm"           # how rank 0 publishes: "shm", "cuda_ipc" or "dask" (see weights.py)
+    keep_versions: int = 3           # published versions kept readable (batches in flight may still need them)
 
 
 class ActorRole:
@@ -65,7 +66,8 @@ class ActorRole:
         state = self.trainer.full_state_dict()   # collective under FSDP: every rank calls it
         if state is None:
             return totals, None
-        return totals, weights.publish(state, step.next_version, step.snapshot_dir, transport=step.transport)
+        return totals, weights.publish(state, step.next_version, step.snapshot_dir, keep=step.keep_versions,
+                                       transport=step.transport)
 
     @torch.no_grad()
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
