@@ -58,9 +58,12 @@ class ActorRole:
         totals: dict[str, float] = {}
         for _ in range(step.epochs):
             for batch, prox, normalizer in zip(mini_batches, proximal, step.normalizers):
-                rows = row_chunks(len(batch), step.micro_batch_size)
-                chunks = [(batch.select(torch.arange(len(batch))[r]), prox[r]) for r in rows]
-                stats = self.trainer.optimizer_step(chunks, lambda model, c: self._loss(model, c, step, normalizer))
+                def split(size, batch=batch, prox=prox):
+                    return [(batch.select(torch.arange(len(batch))[r]), prox[r]) for r in row_chunks(len(batch), size)]
+
+                stats = self.trainer.optimizer_step(split, lambda model, c: self._loss(model, c, step, normalizer),
+                                                    max_rows=step.micro_batch_size,
+                                                    tokens_per_row=batch.input_ids.shape[1])
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
         state = self.trainer.full_state_dict()   # collective under FSDP: every rank calls it

@@ -48,8 +48,12 @@ class CriticRole:
         totals: dict[str, float] = {}
         for _ in range(step.epochs):
             for batch, normalizer in zip(mini_batches, step.normalizers):
-                chunks = [batch.select(torch.arange(len(batch))[rows]) for rows in row_chunks(len(batch), step.micro_batch_size)]
-                stats = self.trainer.optimizer_step(chunks, lambda model, b: self._loss(model, b, step, normalizer))
+                def split(size, batch=batch):
+                    return [batch.select(torch.arange(len(batch))[rows]) for rows in row_chunks(len(batch), size)]
+
+                stats = self.trainer.optimizer_step(split, lambda model, b: self._loss(model, b, step, normalizer),
+                                                    max_rows=step.micro_batch_size,
+                                                    tokens_per_row=batch.input_ids.shape[1])
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
         return totals

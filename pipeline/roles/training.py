@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from resources.allocator import MicroBatchAllocator
 
 logger = logging.getLogger("dask_rl")
 
@@ -50,6 +52,8 @@ class Trainable:
         self.weight_decay = weight_decay
         self.group: GroupInfo | None = None
         self.optimizer = self._make_optimizer()
+        self.allocator = MicroBatchAllocator()
+        self.micro_batch_rows: int | None = None   # what the last step used (after any backoff)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
@@ -105,22 +109,33 @@ class Trainable:
         return 1 if self.group is None else self.group.world_size
 
     # -- one optimizer step ----------------------------------------------------------------
-    def optimizer_step(self, micro_batches: Iterable[Any],
-                       loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
-        """Accumulate gradients of `loss_fn` over `micro_batches`, reduce across ranks, step.
+    def optimizer_step(self, split: Callable[[int], list[Any]],
+                       loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float]]], *,
+                       max_rows: int, tokens_per_row: int) -> dict[str, float]:
+        """Accumulate gradients of `loss_fn` over the micro-batches `split(rows)`, reduce
+        across ranks, step.
 
-        `loss_fn` must already divide by the global token count (see module docstring).
-        Returns the summed stats of the micro-batches plus the gradient norm.
+        `rows` starts at what free memory allows (at most `max_rows`); an out-of-memory error
+        halves it and the same step is redone from zero gradients, so the result does not
+        depend on it. `loss_fn` must already divide by the global token count (see the
+        module docstring). Returns the summed stats of the micro-batches plus the gradient norm.
         """
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
-        for batch in micro_batches:
-            loss, stats = loss_fn(self.model, batch)
-            # FSDP averages gradients over ranks; scale so that it sums them like DDP here.
-            (loss * self.world_size if self._fsdp_active else loss).backward()
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
+        rows = self.allocator.rows(max_rows, tokens_per_row, self._free_bytes())
+        while True:
+            try:
+                totals = self._accumulate(split(rows), loss_fn, rows * tokens_per_row)
+                break
+            except torch.OutOfMemoryError:
+                if self._fsdp_active:  # FSDP ranks must run the same micro-batches: no local retry
+                    raise
+                self.optimizer.zero_grad(set_to_none=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                rows, before = self.allocator.backoff(rows), rows
+                logger.warning("dask-rl: out of memory with %d rows per micro-batch; redoing the step with %d",
+                               before, rows)
+        self.micro_batch_rows = rows
         if self.world_size > 1 and not self._fsdp_active:
             self._all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -128,6 +143,29 @@ class Trainable:
         self.optimizer.step()
         totals["grad_norm"] = float(norm)
         return totals
+
+    def _accumulate(self, micro_batches: list[Any], loss_fn, tokens_per_micro_batch: int) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for batch in micro_batches:
+            measure = torch.cuda.is_available() and str(self.device).startswith("cuda")
+            if measure:
+                torch.cuda.reset_peak_memory_stats()
+                baseline = torch.cuda.memory_allocated()
+            loss, stats = loss_fn(self.model, batch)
+            # FSDP averages gradients over ranks; scale so that it sums them like DDP here.
+            (loss * self.world_size if self._fsdp_active else loss).backward()
+            if measure:  # padded tokens: what activation memory scales with
+                self.allocator.observe(torch.cuda.max_memory_allocated() - baseline, tokens_per_micro_batch)
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        return totals
+
+    def _free_bytes(self) -> int | None:
+        if not (torch.cuda.is_available() and str(self.device).startswith("cuda")):
+            return None
+        free, _ = torch.cuda.mem_get_info()
+        return free
 
     @property
     def _fsdp_active(self) -> bool:
