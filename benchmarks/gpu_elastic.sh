@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: move the reference role onto GPU 0 and back while PPO trains on GPU 0,
 # with an nvidia-smi trace showing the GPU-0 reference process appear and go.
-set -uo pipefail
-OUT=${OUT:-/tmp/gpu-elastic}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gpu-elastic}
 source benchmarks/gpu_setup.sh
-nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv -lms 500 > "$OUT/gpu_apps.csv" &
-SMI=$!
-trap 'kill $SMI 2>/dev/null' EXIT
 timeout "${RUN_TIMEOUT:-240}" python3 benchmarks/elastic_scaling.py examples/elastic_gpu.yaml --role reference \
   --move 20:cuda=0 --move 120:cpu=1 --steps 220 2>&1 | grep -v "Loading weights\|Writing model" > "$OUT/log.txt"
 echo "exit: $?"

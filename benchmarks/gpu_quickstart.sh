@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
 # The quickstart with every role on GPU 0, on the GPU machine. Writes its log, the metrics
 # and an nvidia-smi trace of per-process GPU memory into ${OUT:-/tmp/gpu-quickstart}.
-set -uo pipefail
-OUT=${OUT:-/tmp/gpu-quickstart}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gpu-quickstart}
 source benchmarks/gpu_setup.sh
-nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv -lms 500 > "$OUT/gpu_apps.csv" &
-SMI=$!
-trap 'kill $SMI 2>/dev/null' EXIT
 start=$(date +%s)
 timeout "${RUN_TIMEOUT:-300}" python3 -m pipeline.cli run examples/quickstart_gpu.yaml --output-dir "$OUT/run" \
   --dashboard-address :0 2>&1 | tr '\r' '\n' | grep -v "Loading weights" > "$OUT/log.txt"

@@ -14,7 +14,8 @@ def main() -> None:
                             samples_per_prompt=4, prompts_per_step=8, max_new_tokens=12,
                             actor_lr=1e-3, steps=10)
     history = trainer.train()                                    # prints the dashboard link and a progress bar
-    print(trainer.update_resource(component="rollout", workers=2))   # grow a role while it runs
+    for change in trainer.update_resource(component="rollout", workers=2):   # grow a role between runs
+        print(change)
     trainer.train(steps=5)
     print(f"reward {history[0].reward_mean:.2f} -> {trainer.history[-1].reward_mean:.2f}")
     trainer.close()
