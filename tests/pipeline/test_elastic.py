@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from distributed import get_task_stream
 from conftest import role_cluster
 import torch
 
@@ -125,3 +126,29 @@ def test_killed_rollout_worker_costs_no_batch(elastic_cluster, tiny_model, promp
     # The Nanny restarted the worker process; the step that lost it still completed.
     assert [r.policy_version for r in records] == [2, 3, 4]
     assert submit(elastic_cluster.client, "rollout", worker_identity).result()["pid"] != pid
+
+
+def test_reward_reference_and_critic_change_too(elastic_cluster, tiny_model, prompts):
+    """PPO on the same cluster (its critic is placed with the actor: two CPU workers)."""
+    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
+                            cluster=elastic_cluster, algorithm="ppo", prompts_per_step=8, max_new_tokens=8,
+                            actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=8, show_progress=False)
+    trainer.step()
+    assert len(trainer.group_members("critic")) == 2
+    (reward_up,) = trainer.update_resource("reward", workers=2, strategy="data_parallel")
+    (reference_up,) = trainer.update_resource("reference", workers=2, strategy="data_parallel")
+    (critic_down,) = trainer.update_resource("critic", workers=1)
+    assert len(reward_up.workers) == 2 and len(reference_up.workers) == 2 and len(critic_down.workers) == 1
+    record = trainer.step()
+    assert record.policy_version == 2 and "critic_grad_norm" in record.losses
+    assert len(trainer.group_members("critic")) == 1
+    # With two rollout shards per step, both reward workers score.
+    trainer.update_resource("rollout", workers=2)
+    with get_task_stream(client=elastic_cluster.client) as stream:
+        trainer.step()
+    scorers = {t["worker"] for t in stream.data if str(t["key"]).startswith("reward-score")}
+    assert len(scorers) == 2
+    (reward_down,) = trainer.update_resource("reward", workers=1, strategy="none")
+    (reference_down,) = trainer.update_resource("reference", workers=1, strategy="none")
+    assert len(reward_down.removed) == 1 and len(reference_down.removed) == 1
+    assert trainer.step().policy_version == 4
