@@ -152,8 +152,10 @@ def _wait_ready(trainer: HybridTrainer, role: str, addresses: list[str]) -> None
     if role == "rollout":
         futures = [submit(trainer.client, role, rollout.sync_weights, trainer.weights, tag="join", workers=[a])
                    for a in addresses]
-    else:
-        futures = [submit(trainer.client, role, role_ready, role, tag="join", workers=[a]) for a in addresses]
+    else:  # a new critic serves values before its first update: give it the current weights now
+        restore = trainer.groups.restore_paths.get(role)
+        futures = [submit(trainer.client, role, role_ready, role, restore, tag="join", workers=[a])
+                   for a in addresses]
     wait_role(trainer.client, futures, role, "new workers to load their model", trainer.resources.timeout_seconds)
 
 

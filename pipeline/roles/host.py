@@ -98,9 +98,12 @@ def role_state(role: str) -> Any:
     return plugin.state
 
 
-def role_ready(role: str) -> dict[str, Any]:
-    """Task: returns once this worker has loaded the `role` model; says where it runs."""
-    role_state(role)
+def role_ready(role: str, restore_path: str | None = None) -> dict[str, Any]:
+    """Task: returns once this worker has loaded the `role` model (and, for a trainable role
+    joining mid-run, the exported current weights); says where it runs."""
+    state = role_state(role)
+    if restore_path is not None:
+        state.trainer.load_model_state(restore_path)
     return worker_identity()
 
 

@@ -207,6 +207,11 @@ class Trainable:
         torch.save({"model": model_state, "optim": optim_state}, path)
         return path
 
+    def load_model_state(self, path: str) -> None:
+        """A worker joining the role takes the exported weights before its first task, so the
+        values or logprobs it computes before the next update come from the current model."""
+        self.model.load_state_dict(_load_restore(path)["model"])
+
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
