@@ -118,7 +118,8 @@ def apply_config(trainer: HybridTrainer, new_config: ResourceConfig) -> list[Res
         live = {w["name"]: w["address"] for w in cluster.workers_of(role)}
         current = [spec for name, spec in cluster.specs.items() if name in live]
         start, retire = plan_change(current, new_config.role(role), cluster.next_index(role))
-        if not start and not retire:
+        restrategy = role in TRAINABLE and trainer.groups.strategy(role) not in (None, new_config.role(role).strategy)
+        if not start and not retire and not restrategy:
             continue
         if role in TRAINABLE:  # every rank of the new group starts from exactly this state
             trainer.groups.restore_paths[role] = _export(trainer, role, list(live.values()))

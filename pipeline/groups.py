@@ -25,7 +25,8 @@ def free_port() -> int:
 class ProcessGroups:
     def __init__(self, client: Client):
         self.client = client
-        self._groups: dict[str, tuple[tuple[str, ...], int, str]] = {}   # role -> (members, generation, init)
+        # role -> (members, strategy, generation, init_method)
+        self._groups: dict[str, tuple[tuple[str, ...], str, int, str]] = {}
         self.restore_paths: dict[str, str] = {}   # role -> state the next generation starts from
 
     def members(self, role: str) -> tuple[str, ...] | None:
@@ -33,9 +34,14 @@ class ProcessGroups:
         known = self._groups.get(role)
         return known[0] if known else None
 
-    def ranks(self, role: str, workers: list[str], *, backend: str, timeout_seconds: float,
+    def strategy(self, role: str) -> str | None:
+        known = self._groups.get(role)
+        return known[1] if known else None
+
+    def ranks(self, role: str, workers: list[str], *, strategy: str, backend: str, timeout_seconds: float,
               fallback_restore: str | None = None) -> list[GroupInfo]:
-        """GroupInfo per rank of `workers`; a new generation when the membership changed.
+        """GroupInfo per rank of `workers`; a new generation when the membership or the
+        data-parallel strategy changed.
 
         `fallback_restore` is used when the membership changed without an exported state
         (a rank was lost): the actor passes its last published weights.
@@ -43,12 +49,13 @@ class ProcessGroups:
         members = tuple(workers)
         known = self._groups.get(role)
         restore = None
-        if known is None or known[0] != members:
-            generation = 0 if known is None else known[1] + 1
+        if known is None or known[:2] != (members, strategy):
+            generation = 0 if known is None else known[2] + 1
             host = live_workers(self.client)[members[0]]["host"]
             port = self.client.run(free_port, workers=[members[0]])[members[0]]
-            self._groups[role] = known = (members, generation, f"tcp://{host}:{port}")
+            self._groups[role] = known = (members, strategy, generation, f"tcp://{host}:{port}")
             restore = self.restore_paths.pop(role, None) or (fallback_restore if generation > 0 else None)
-        return [GroupInfo(rank=rank, world_size=len(members), init_method=known[2], backend=backend,
-                          generation=known[1], timeout_seconds=timeout_seconds, restore_path=restore)
+        return [GroupInfo(rank=rank, world_size=len(members), init_method=known[3], backend=backend,
+                          generation=known[2], timeout_seconds=timeout_seconds, strategy=strategy,
+                          restore_path=restore)
                 for rank in range(len(members))]

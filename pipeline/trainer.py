@@ -322,8 +322,8 @@ class HybridTrainer:
             backend = "nccl" if self.resources.role(role).device_type == "cuda" else "gloo"
         # A lost actor rank with nothing exported: restart from the last published weights.
         fallback = self.weights.path if role == "actor" and self.weights is not None else None
-        groups = self.groups.ranks(role, workers, backend=backend, timeout_seconds=self.resources.timeout_seconds,
-                                   fallback_restore=fallback)
+        groups = self.groups.ranks(role, workers, strategy=self.resources.role(role).strategy, backend=backend,
+                                   timeout_seconds=self.resources.timeout_seconds, fallback_restore=fallback)
         return [submit(self.client, role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,
                        tag=f"{self.version}-r{rank}", workers=[address])
                 for rank, address in enumerate(workers)]

@@ -32,6 +32,7 @@ class GroupInfo:
     backend: str             # "gloo" on CPU, "nccl" on GPU
     generation: int          # changes whenever the role's membership changes: rebuild then
     timeout_seconds: float
+    strategy: str = "ddp"    # "ddp" | "fsdp" | "none": how the ranks share the work
     # After a membership change every rank rebuilds from a saved state: a full model and
     # optimizer state (".pt", exported at the step boundary) or, when a rank died and
     # nothing was exported, the last published policy weights (".safetensors").
@@ -70,6 +71,7 @@ class Trainable:
             state = {"model": self.build_model().state_dict(), "optim": None}
         if dist.is_initialized():  # the previous generation, or a group a replaced role object left
             dist.destroy_process_group()
+        self.strategy = group.strategy if group.world_size > 1 else self.strategy
         if state is not None:  # start from the saved state, unsharded, then shard anew
             self.model = self.build_model().to(self.device)
             self.model.load_state_dict(state["model"])

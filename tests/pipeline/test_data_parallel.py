@@ -64,7 +64,7 @@ def test_two_rank_update_matches_one_rank(strategy, shared_cluster, tiny_model, 
     shards = rank_shards(len(experience), 2, mini_batches)
     step = _step(experience, mini_batches, str(tmp_path / "two"))
     futures = [submit(client, "actor", actor.update, [experience.select(r) for r in shards[rank]],
-                      GroupInfo(rank, 2, f"tcp://{host}:{port}", "gloo", 0, 60), step, workers=[address])
+                      GroupInfo(rank, 2, f"tcp://{host}:{port}", "gloo", 0, 60, strategy=strategy), step, workers=[address])
                for rank, address in enumerate(workers)]
     (stats_r0, handle_two), (_, handle_r1) = client.gather(futures)
 

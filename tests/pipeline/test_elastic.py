@@ -111,6 +111,19 @@ def test_actor_resize_keeps_the_update_it_would_have_made(elastic_cluster, tiny_
     assert change.added and len(change.workers) == 2
     record = resized.step()
     assert record.policy_version == 3 and len(resized.group_members("actor")) == 2
+    # A strategy change alone regroups the same workers from the exported state.
+    (change,) = resized.update_resource("actor", strategy="fsdp")
+    assert change.strategy == "fsdp" and not change.added and not change.removed
+    assert resized.step().policy_version == 4
+    strategies = [submit(elastic_cluster.client, "actor", _actor_strategy, workers=[address]).result()
+                  for address in resized.group_members("actor")]
+    assert strategies == ["fsdp", "fsdp"]
+
+
+def _actor_strategy() -> str:
+    from pipeline.roles.host import role_state
+
+    return role_state("actor").trainer.strategy
 
 
 def test_killed_rollout_worker_costs_no_batch(elastic_cluster, tiny_model, prompts):
