@@ -47,7 +47,6 @@ class TrainConfig:
     seed: int = 0
     prompt_column: str = "prompt"     # column holding the prompt text in JSONL/Parquet/datasets
     dtype: str = "float32"            # model dtype on the workers (bfloat16 on GPUs)
-    log_every: int = 1
     # How new weights reach rollout workers: "auto" (shared memory on the actor's host, a
     # broadcast group to other hosts), or force one of "shm", "cuda_ipc" (readers on the
     # actor's GPU: ~5 ms for 1 GB on an H200), "broadcast", "dask" (the slow fallback).

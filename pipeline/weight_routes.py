@@ -1,9 +1,10 @@
 """Driver side of weight sync: how each new policy version reaches the rollout workers.
 
 On the actor's host, readers take the published snapshot directly from the shared-memory
-file (or CUDA IPC handles with `weight_sync: cuda_ipc`, for readers on the actor's GPU). Rollout workers on other hosts join a
-broadcast group with actor rank 0 after each publish (NCCL on GPUs, gloo on CPU). The
-Dask transfer is the fallback a reader uses by itself when neither reached it.
+file (or CUDA IPC handles with `weight_sync: cuda_ipc`, for readers on the actor's GPU).
+Rollout workers on other hosts join a broadcast group with actor rank 0 after each publish
+(NCCL on GPUs, gloo on CPU). The Dask transfer is the fallback a reader uses by itself when
+neither reached it.
 """
 
 from __future__ import annotations
