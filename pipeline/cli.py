@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_worker(args)
     if args.command == "scheduler":
         return run_scheduler(args)
+    if args.command == "scale":
+        return run_scale(args)
     return 2
 
 
@@ -45,12 +47,40 @@ def _add_cluster_commands(commands) -> None:
     worker.add_argument("--nthreads", type=int, default=1, help=argparse.SUPPRESS)
     worker.add_argument("--allow-busy", action="store_true", help="start even on a GPU NVML reports busy")
     worker.add_argument("--timeout", type=float, default=30.0, help="seconds to reach the scheduler")
+    scale = commands.add_parser("scale", help="change a role of a running training (update_resource from a shell)",
+                                description="Ask the trainer running on this scheduler to change one role; "
+                                            "it applies the change at its next step boundary.")
+    scale.add_argument("address", help="the training's scheduler, e.g. tcp://host-a:8786")
+    scale.add_argument("--role", required=True, help="actor, critic, reference, reward or rollout")
+    scale.add_argument("--device-ids", type=int, nargs="+", metavar="ID", help="the role's GPUs after the change")
+    scale.add_argument("--workers", type=int, help="the role's CPU workers after the change")
+    scale.add_argument("--strategy", help="e.g. data_parallel for reward on several devices")
+    scale.add_argument("--device-type", choices=("cuda", "cpu"), help="move the role between GPUs and CPU")
+    scale.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the trainer's answer")
     scheduler = commands.add_parser("scheduler", help="run a scheduler for trainers and `dask-rl worker`s to join",
                                     description="A Dask scheduler with dask-rl's settings.")
     scheduler.add_argument("--host", help="interface address to listen on (default: all)")
     scheduler.add_argument("--port", type=int, default=8786)
     scheduler.add_argument("--dashboard-address", default=":8787")
     scheduler.add_argument("--preload", action="append", default=[], help="module to import in the scheduler")
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    """`dask-rl scale ADDRESS --role R ...`: prints what changed, or the trainer's error."""
+    from distributed import Client
+
+    from pipeline.elastic import send_remote_request
+
+    request = {"component": args.role, "device_ids": args.device_ids, "strategy": args.strategy,
+               "workers": args.workers, "device_type": args.device_type}
+    with Client(args.address, timeout=30) as client:
+        answer = send_remote_request(client, request, args.timeout)
+    if "error" in answer:
+        print(f"dask-rl scale: {answer['error']}", file=sys.stderr)
+        return 2
+    for change in answer["changes"]:
+        print(change)
+    return 0
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -217,3 +217,38 @@ def resize_role(trainer: HybridTrainer, role: str, workers: int) -> None:
     else:
         raise ValueError(f"adapt: {role} cannot grow to {workers} GPUs: no spare GPU is known; it can only "
                          f"take one from another role")
+
+
+# -- requests from outside the driver (`dask-rl scale`) -------------------------------------
+
+REQUESTS = "dask-rl-resource-requests"   # a distributed.Queue on the training's scheduler
+
+
+def poll_remote_requests(trainer: HybridTrainer) -> None:
+    """At a step boundary: apply the update_resource requests that `dask-rl scale` queued on
+    the scheduler, and answer each on its reply queue (the changes, or the error)."""
+    from distributed import Queue
+
+    requests = Queue(REQUESTS, client=trainer.client)
+    while requests.qsize():
+        request = requests.get(timeout=5)
+        reply = Queue(request.pop("reply_to"), client=trainer.client)
+        try:
+            reply.put({"changes": [str(c) for c in trainer.update_resource(**request)]})
+        except Exception as error:  # the requester prints it; training goes on unchanged
+            reply.put({"error": f"{type(error).__name__}: {error}"})
+
+
+def send_remote_request(client, request: dict, timeout: float) -> dict:
+    """Queue one update_resource request for the trainer driving this scheduler; wait for its answer."""
+    import uuid
+
+    from distributed import Queue
+
+    reply_to = f"dask-rl-reply-{uuid.uuid4().hex[:8]}"
+    Queue(REQUESTS, client=client).put({**request, "reply_to": reply_to})
+    try:
+        return Queue(reply_to, client=client).get(timeout=timeout)
+    except TimeoutError:
+        return {"error": f"no trainer answered within {timeout:.0f}s: the request is taken at a step boundary "
+                         f"of a running train(); is one running on this scheduler?"}

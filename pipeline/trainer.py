@@ -209,8 +209,10 @@ class HybridTrainer:
         """One update. Each phase is timed; the dataflow is the sequence of calls below."""
         tc, timer, start = self.train_config, PhaseTimer(), time.perf_counter()
         self._train_thread = threading.current_thread()
-        # 0. Resource changes for the actor and critic happen here, between two updates.
+        # 0. Resource changes for the actor and critic happen here, between two updates
+        #    (also those asked for from a shell with `dask-rl scale`).
         with timer("resize"):
+            elastic.poll_remote_requests(self)
             self._apply_boundary_changes()
         # 1. Take the oldest in-flight batch, then keep `max_staleness` newer ones generating
         #    with the current weights while this one is trained on (0 = strictly on-policy).

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -165,3 +167,32 @@ def test_reward_reference_and_critic_change_too(elastic_cluster, tiny_model, pro
     (reference_down,) = trainer.update_resource("reference", workers=1, strategy="none")
     assert len(reward_down.removed) == 1 and len(reference_down.removed) == 1
     assert trainer.step().policy_version == 4
+
+
+def test_dask_rl_scale_changes_a_role_of_a_running_training_from_a_shell(elastic_cluster, tiny_model, prompts):
+    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
+                            cluster=elastic_cluster, steps=30, **GRPO)
+    trainer.update_resource("rollout", workers=1)  # whatever the tests before left
+    address = elastic_cluster.client.scheduler.address
+    shell = {}
+
+    def scale(*args):
+        return subprocess.run([sys.executable, "-m", "pipeline.cli", "scale", address, *args],
+                              capture_output=True, text=True, timeout=300)
+
+    def from_a_shell():
+        deadline = time.monotonic() + 120
+        while not trainer.history and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shell["bad"] = scale("--role", "rollout", "--workers", "0")
+        shell["grow"] = scale("--role", "rollout", "--workers", "2")
+
+    thread = threading.Thread(target=from_a_shell, daemon=True)
+    thread.start()
+    records = trainer.train(on_step=lambda record: time.sleep(0.3) if "grow" not in shell else None)
+    thread.join(timeout=60)
+    assert [r.policy_version for r in records] == list(range(1, 31))
+    assert shell["bad"].returncode == 2 and "last rollout worker" in shell["bad"].stderr
+    assert shell["grow"].returncode == 0 and "rollout: +['rollout-" in shell["grow"].stdout
+    assert len(elastic_cluster.workers_of("rollout")) == 2
+    trainer.update_resource("rollout", workers=1)
