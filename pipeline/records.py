@@ -71,7 +71,7 @@ class Experience:
         return self.input_ids.shape[0]
 
     def select(self, rows: torch.Tensor) -> Experience:
-        """The rows `rows` (a 1-D index tensor) of every per-sample field."""
+        """The rows `rows` (a 1-D index tensor or a slice) of every per-sample field."""
         picked = {f.name: getattr(self, f.name)[rows] for f in fields(self) if f.name != "prompt_length"}
         return replace(self, **picked)
 

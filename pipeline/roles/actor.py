@@ -11,6 +11,7 @@ from distributed import get_worker
 
 from pipeline import weights
 from pipeline.algorithms import importance_weights, kl_loss, policy_loss
+from pipeline.metrics import sum_stats
 from pipeline.records import Experience
 from pipeline.roles.forward import response_logprobs, row_chunks
 from pipeline.roles.host import resolve_device, role_state
@@ -55,17 +56,16 @@ class ActorRole:
         # clip); the rollout's own logprobs (the behaviour policy) enter through the
         # truncated importance weight, which corrects for staleness.
         proximal = [self._logprobs(batch, step) for batch in mini_batches]
-        totals: dict[str, float] = {}
+        per_step = []
         for _ in range(step.epochs):
             for batch, prox, normalizer in zip(mini_batches, proximal, step.normalizers):
                 def split(size, batch=batch, prox=prox):
-                    return [(batch.select(torch.arange(len(batch))[r]), prox[r]) for r in row_chunks(len(batch), size)]
+                    return [(batch.select(r), prox[r]) for r in row_chunks(len(batch), size)]
 
-                stats = self.trainer.optimizer_step(split, lambda model, c: self._loss(model, c, step, normalizer),
-                                                    max_rows=step.micro_batch_size,
-                                                    tokens_per_row=batch.input_ids.shape[1])
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
+                loss = lambda model, c: self._loss(model, c, step, normalizer)  # noqa: E731
+                per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
+                                                            tokens_per_row=batch.input_ids.shape[1]))
+        totals = sum_stats(per_step)
         state = self.trainer.full_state_dict()   # collective under FSDP: every rank calls it
         if state is None:
             return totals, None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.algorithms import value_loss
+from pipeline.metrics import sum_stats
 from pipeline.records import Experience, Rollout
 from pipeline.roles.forward import response_values, row_chunks
 from pipeline.roles.host import resolve_device, role_state
@@ -45,18 +46,16 @@ class CriticRole:
 
     def update(self, mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -> dict[str, float]:
         self.trainer.join(group)
-        totals: dict[str, float] = {}
+        per_step = []
         for _ in range(step.epochs):
             for batch, normalizer in zip(mini_batches, step.normalizers):
                 def split(size, batch=batch):
-                    return [batch.select(torch.arange(len(batch))[rows]) for rows in row_chunks(len(batch), size)]
+                    return [batch.select(rows) for rows in row_chunks(len(batch), size)]
 
-                stats = self.trainer.optimizer_step(split, lambda model, b: self._loss(model, b, step, normalizer),
-                                                    max_rows=step.micro_batch_size,
-                                                    tokens_per_row=batch.input_ids.shape[1])
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
-        return totals
+                loss = lambda model, b: self._loss(model, b, step, normalizer)  # noqa: E731
+                per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
+                                                            tokens_per_row=batch.input_ids.shape[1]))
+        return sum_stats(per_step)
 
     def _loss(self, model, batch: Experience, step: CriticStep, normalizer: float):
         to = lambda t: t.to(self.device)  # noqa: E731
