@@ -83,10 +83,15 @@ def _worker_table(dask_scheduler=None) -> dict[str, dict]:
             for addr, ws in dask_scheduler.workers.items()}
 
 
+def role_workers(client: Client, role: str) -> list[dict]:
+    """Live workers carrying `role` (a resource above 0): address, name, host; sorted by name."""
+    return sorted(({"address": addr, "name": w["name"], "host": w["host"]}
+                   for addr, w in live_workers(client).items() if w["resources"].get(role)),
+                  key=lambda w: str(w["name"]))
+
+
 def role_addresses(client: Client, role: str) -> list[str]:
-    """Live workers carrying `role` (a resource above 0), sorted by name."""
-    table = live_workers(client)
-    return sorted((a for a, w in table.items() if w["resources"].get(role)), key=lambda a: str(table[a]["name"]))
+    return [w["address"] for w in role_workers(client, role)]
 
 
 async def _set_role_resource(role: str, quantity: float, dask_worker=None) -> None:
@@ -176,12 +181,7 @@ class RoleCluster:
 
     def workers_of(self, role: str) -> list[dict]:
         """Scheduler's view of the live workers carrying `role`: address, name, host."""
-        info = live_workers(self.client)
-        return sorted(
-            ({"address": addr, "name": w["name"], "host": w["host"]}
-             for addr, w in info.items() if w["resources"].get(role)),
-            key=lambda w: str(w["name"]),
-        )
+        return role_workers(self.client, role)
 
     def next_index(self, role: str) -> int:
         """The first unused k for a new "{role}-{k}" worker name (names are never reused).
