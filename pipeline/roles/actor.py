@@ -66,7 +66,8 @@ class ActorRole:
                 per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
                                                             tokens_per_row=batch.input_ids.shape[1]))
         totals = sum_stats(per_step)
-        state = self.trainer.full_state_dict()   # collective under FSDP: every rank calls it
+        # Collective under FSDP: every rank calls it.
+        state = self.trainer.full_state_dict(on_device=step.transport == "cuda_ipc")
         if state is None:
             return totals, None
         return totals, weights.publish(state, step.next_version, step.snapshot_dir, keep=step.keep_versions,

@@ -182,8 +182,9 @@ class Trainable:
             grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full (unsharded) CPU state dict on rank 0; None on other ranks.
+    def full_state_dict(self, on_device: bool = False) -> dict[str, torch.Tensor] | None:
+        """The full (unsharded) state dict on rank 0, on the CPU or, with `on_device` and
+        without FSDP, where the model lives; None on other ranks.
 
         Collective under FSDP: every rank must call it.
         """
@@ -195,6 +196,8 @@ class Trainable:
             return state if self.group.rank == 0 else None
         if self.group is not None and self.group.rank != 0:
             return None
+        if on_device:  # CUDA IPC copies it into its own buffer: no trip through host memory
+            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         return {name: tensor.detach().to("cpu") for name, tensor in self.model.state_dict().items()}
 
     def export_state(self, path: str) -> str | None:
