@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -110,8 +111,11 @@ class HybridTrainer:
 
     # -- set-up ----------------------------------------------------------------------------
     def _roles(self) -> tuple[str, ...]:
-        base = ("rollout", "reward", "reference", "actor")
-        return base + ("critic",) if self.train_config.algorithm == "ppo" else base
+        """The roles this run needs: no critic for GRPO, no reference model when the KL
+        weight is 0 (it would only hold a GPU and compute a term multiplied by 0)."""
+        tc = self.train_config
+        return ("rollout", "reward", *(("reference",) if tc.kl_coef > 0 else ()), "actor",
+                *(("critic",) if tc.algorithm == "ppo" else ()))
 
     def _register_roles(self, roles, reward_model, critic_model, reference_model) -> None:
         """One RoleHost plugin per role: workers carrying the role load its model once."""
@@ -121,21 +125,25 @@ class HybridTrainer:
             "rollout": functools.partial(rollout.RolloutRole, self.actor_dir,
                                          engine=rollout_spec.strategy, dtype=tc.dtype,
                                          engine_args=rollout_spec.vllm_kwargs),
-            "reference": functools.partial(reference.ReferenceRole, self._model_dir(reference_model, "reference"),
-                                           dtype=tc.dtype,
-                                           micro_batch_size=tc.micro_batch_size),
             "actor": functools.partial(actor.ActorRole, self.actor_dir, lr=tc.actor_lr,
                                        strategy=self.resources.role("actor").strategy, grad_clip=tc.grad_clip,
                                        dtype=tc.dtype),
             "reward": self._reward_recipe(reward_model),
         }
+        if "reference" in roles:
+            recipes["reference"] = functools.partial(
+                reference.ReferenceRole, self._model_dir(reference_model, "reference"), dtype=tc.dtype,
+                micro_batch_size=tc.micro_batch_size)
         if "critic" in roles:
             recipes["critic"] = functools.partial(
                 critic.CriticRole, self._model_dir(critic_model, "critic"),
                 lr=tc.critic_lr, strategy=self.resources.role("critic").strategy, grad_clip=tc.grad_clip)
         threads = None if self.resources.uses_cuda else 1  # CPU roles share few cores: one each
-        for role in roles:
-            self.client.register_plugin(RoleHost(role, recipes[role], torch_threads=threads), name=plugin_name(role))
+        # Registering a plugin returns once every worker has run its setup, i.e. loaded the
+        # role's model: one thread per role lets the roles load their models side by side.
+        with ThreadPoolExecutor(len(roles)) as pool:
+            list(pool.map(lambda role: self.client.register_plugin(
+                RoleHost(role, recipes[role], torch_threads=threads), name=plugin_name(role)), roles))
 
     def _model_dir(self, model: Any, role: str) -> str:
         return self.actor_dir if model is None else materialize(model, self.output_dir / f"{role}-init")
@@ -229,7 +237,9 @@ class HybridTrainer:
         #    workers' outputs as soon as each shard finished.
         with timer("wait_scores"):
             scores = torch.cat(self._wait("reward", batch.scores, "rewards"))
-            ref_logprobs = self._cat_padded(self._wait("reference", batch.ref_logprobs, "reference logprobs"))
+            # Without a reference model (kl_coef 0) the behaviour logprobs stand in: KL is exactly 0.
+            ref_logprobs = (self._cat_padded(self._wait("reference", batch.ref_logprobs, "reference logprobs"))
+                            if batch.ref_logprobs else rollout_data.behavior_logprobs)
             values = self._cat_padded(self._wait("critic", batch.values, "critic values")) if batch.values else None
         # 3. Advantages on the driver: small CPU tensors, pure math.
         with timer("advantages"):
@@ -261,8 +271,9 @@ class HybridTrainer:
             generated = submit(self.client, "rollout", rollout.generate, request, self.weights, tag=tag)
             batch.rollouts.append(generated)
             batch.scores.append(submit(self.client, "reward", reward.score, generated, tag=tag))
-            batch.ref_logprobs.append(submit(self.client, "reference", reference.ref_logprobs, generated,
-                                             tc.temperature, tag=tag))
+            if "reference" in self.roles:
+                batch.ref_logprobs.append(submit(self.client, "reference", reference.ref_logprobs, generated,
+                                                 tc.temperature, tag=tag))
             if tc.algorithm == "ppo":
                 batch.values.append(submit(self.client, "critic", critic.values, generated, tc.micro_batch_size,
                                            tag=tag))

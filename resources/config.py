@@ -30,7 +30,9 @@ REQUIRED_ROLES = ("actor", "reward", "rollout")
 STRATEGIES = {
     "actor": ("fsdp", "ddp", "none"), "critic": ("fsdp", "ddp", "none"),
     "reference": ("none", "data_parallel"), "reward": ("none", "data_parallel"),
-    "rollout": ("hf", "vllm"),
+    # cuda_graph: the CUDA-graph decode loop (pipeline/engines/cuda_graph.py), the default on GPUs;
+    # hf: transformers' generate, the default on CPUs; vllm: vLLM, where it is installed.
+    "rollout": ("cuda_graph", "hf", "vllm"),
 }
 DEVICE_TYPES = ("cuda", "cpu")
 COMM_BACKENDS = ("nccl", "gloo", "auto")

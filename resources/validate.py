@@ -55,9 +55,11 @@ def _example_ids(ids: Sequence[int]) -> list[int]:
     return once + list(range(max(once) + 1, max(once) + 1 + len(ids) - len(once)))
 
 
-def _default_strategy(role: str, workers: int) -> str:
+def _default_strategy(role: str, workers: int, device_type: str = "cpu") -> str:
     if role == "rollout":
-        return "hf"  # runs everywhere; vllm is opt-in
+        # The CUDA-graph engine on GPUs (10x+ faster than generate there); generate on CPUs,
+        # where graphs do not exist. vllm is opt-in: it needs its own install.
+        return "cuda_graph" if device_type == "cuda" else "hf"
     if role in _TRAINED_ROLES:
         return "none" if workers == 1 else "ddp"
     return "none" if workers == 1 else "data_parallel"
@@ -145,7 +147,7 @@ class _Parser:
                                  "remove workers, or list one GPU per worker in device_ids")
         else:
             ids, workers = self.cpu_workers(role, raw)
-        strategy = self.strategy(role, raw.get("strategy", _MISSING), workers)
+        strategy = self.strategy(role, raw.get("strategy", _MISSING), workers, device_type)
         vllm_args = self.vllm_args(role, raw.get("vllm_args", _MISSING), strategy)
         return RoleSpec(role, device_type, ids, workers, strategy, vllm_args)
 
@@ -187,10 +189,10 @@ class _Parser:
                              "set workers: 1 or more")
         return (), workers
 
-    def strategy(self, role: str, value: Any, workers: int) -> str:
+    def strategy(self, role: str, value: Any, workers: int, device_type: str = "cpu") -> str:
         path, options = f"{role}.strategy", STRATEGIES[role]
         if value is _MISSING:
-            return _default_strategy(role, workers)
+            return _default_strategy(role, workers, device_type)
         if value not in options:
             raise self.error(path, value, f"not a {role} strategy{_did_you_mean(value, options)}",
                              f"use one of {', '.join(options)}")

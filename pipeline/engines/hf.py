@@ -8,9 +8,16 @@ from pipeline.algorithms import logprobs_from_logits
 from pipeline.records import GenerationRequest, Rollout
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts -> (B, P) ids and attention mask, left-padded so every response starts at P."""
-    width = max(len(p) for p in prompts)
+def repeat_prompts(request: GenerationRequest) -> tuple[list[list[int]], list[int]]:
+    """Each prompt and its group id, `samples_per_prompt` times in a row."""
+    n = request.samples_per_prompt
+    return ([p for p in request.prompt_ids for _ in range(n)], [g for g in request.group_ids for _ in range(n)])
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> (B, P) ids and attention mask, left-padded so every response starts at P
+    (P = the longest prompt, or `width`)."""
+    width = max(len(p) for p in prompts) if width is None else width
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -44,32 +51,51 @@ def assemble_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, respon
 
 
 class HFEngine:
-    """Samples with plain `model.generate`, returning the sampled tokens' logprobs."""
+    """Samples with plain `model.generate`, returning the sampled tokens' logprobs.
 
-    def __init__(self, model, *, pad_id: int, eos_id: int, device: str):
+    `generate` is not asked for its logits: keeping every step's full-vocabulary logits
+    costs B x R x V floats (20 GiB for 64 x 256 tokens of a 150k vocabulary). The sampled
+    tokens' logprobs come from one forward pass over prompt + response afterwards, `rows`
+    sequences at a time, the same computation as the actor's loss.
+    """
+
+    def __init__(self, model, *, pad_id: int, eos_id: int, device: str, rows: int = 16):
         self.model = model.eval()
         self.pad_id = pad_id
         self.eos_id = eos_id
         self.device = device
+        self.rows = rows
 
     @torch.no_grad()
     def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
-        prompts = [p for p in request.prompt_ids for _ in range(request.samples_per_prompt)]
-        groups = [g for g in request.group_ids for _ in range(request.samples_per_prompt)]
+        prompts, groups = repeat_prompts(request)
         ids, mask = left_pad(prompts, self.pad_id)
         torch.manual_seed(request.seed)
-        out = self.model.generate(
+        sequences = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             do_sample=True, temperature=request.temperature, top_k=0, top_p=1.0,
             max_new_tokens=request.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-            output_logits=True, return_dict_in_generate=True,
         )
-        responses = out.sequences[:, ids.shape[1]:].cpu()
-        # Raw logits (before sampling processors) scaled by the temperature: the same
-        # distribution the actor's loss evaluates, so ratios start at 1 on-policy.
-        logits = torch.stack(out.logits, dim=1).float().cpu()
-        logprobs = logprobs_from_logits(logits, responses, request.temperature)
+        responses = sequences[:, ids.shape[1]:].cpu()
+        logprobs = torch.cat([self._logprobs(ids[r], mask[r], responses[r], request.temperature)
+                              for r in _row_slices(len(prompts), self.rows)])
         return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
+
+    def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+        """(B, R) log softmax(logits / temperature) of the sampled tokens: the distribution
+        the actor's loss evaluates, so ratios start at 1 on-policy. Tokens after EOS are
+        scored too and masked out later by the response mask."""
+        full = torch.cat([ids, responses], dim=1).to(self.device)
+        attention = torch.cat([mask, torch.ones_like(responses)], dim=1).to(self.device)
+        logits = self.model(input_ids=full, attention_mask=attention,
+                            position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
+        width = ids.shape[1]
+        return logprobs_from_logits(logits[:, width - 1:-1], full[:, width:], temperature).cpu()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state, strict=False)
+
+
+def _row_slices(rows: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from pipeline.engines.hf import assemble_rollout, left_pad
+from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts
 from pipeline.records import GenerationRequest, Rollout
 
 # Defaults for vLLM on a CPU machine, set only where the caller has not set them:
@@ -88,8 +88,7 @@ class VLLMEngine:
             responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             logprobs[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
 
-        prompts_rep = [p for p in request.prompt_ids for _ in range(n)]
-        groups = [g for g in request.group_ids for _ in range(n)]
+        prompts_rep, groups = repeat_prompts(request)
         ids, mask = left_pad(prompts_rep, self.pad_id)
         return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
 

@@ -20,17 +20,21 @@ class RolloutRole:
         from pipeline.models import load_causal_lm, load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
+        ids = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id}
         if engine == "vllm":
             from pipeline.engines.vllm import VLLMEngine
 
-            self.engine = VLLMEngine(model_dir, pad_id=tokenizer.pad_token_id,
-                                     eos_id=tokenizer.eos_token_id, dtype=dtype, **(engine_args or {}))
+            self.engine = VLLMEngine(model_dir, dtype=dtype, **ids, **(engine_args or {}))
         else:
-            from pipeline.engines.hf import HFEngine
-
             model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype))
-            self.engine = HFEngine(model, pad_id=tokenizer.pad_token_id,
-                                   eos_id=tokenizer.eos_token_id, device=device)
+            if engine == "cuda_graph":
+                from pipeline.engines.cuda_graph import CudaGraphEngine
+
+                self.engine = CudaGraphEngine(model, device=device, **ids, **(engine_args or {}))
+            else:
+                from pipeline.engines.hf import HFEngine
+
+                self.engine = HFEngine(model, device=device, **ids)
         self.version = 0  # the weights in model_dir are version 0
 
     def sync(self, handle: weights.WeightHandle | None, snapshot: bytes | None = None) -> None:

@@ -120,3 +120,27 @@ def test_a_built_transformers_model_object_is_accepted_as_the_policy(shared_clus
     assert (tmp_path / "actor-init" / "config.json").exists()
     (record,) = trainer.train()
     assert record.policy_version == 1 and record.tokens > 0
+
+
+def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engine(shared_cluster, shared_config,
+                                                                                  tiny_model, prompts):
+    """kl_coef 0: no reference model is loaded and no reference task runs; the rollout role's
+    cuda_graph strategy (its loop runs eagerly on CPU workers) drives a real GRPO run."""
+    from dataclasses import replace
+
+    shared_cluster.client.register_plugin(RestrictionLog())
+    config = shared_config.with_role(replace(shared_config.role("rollout"), strategy="cuda_graph"))
+    trainer = HybridTrainer(tiny_model, digit_fraction, config, algorithm="grpo", prompts=prompts,
+                            cluster=shared_cluster, steps=2, samples_per_prompt=2, kl_coef=0.0, **SMALL)
+    assert "reference" not in trainer.roles
+    records = trainer.train()
+    assert [r.policy_version for r in records] == [1, 2]
+    assert all(r.kl_mean == 0.0 and r.tokens > 0 for r in records)
+    roles_run = {k.split("-")[0] for k in shared_cluster.client.run_on_scheduler(_logged_restrictions)}
+    assert "reference" not in roles_run and {"rollout", "reward", "actor"} <= roles_run
+    engines = shared_cluster.client.run(_engine_name, workers=[w["address"] for w in shared_cluster.workers_of("rollout")])
+    assert set(engines.values()) == {"CudaGraphEngine"}
+
+
+def _engine_name(dask_worker=None):
+    return type(dask_worker.plugins["dask-rl-rollout"].state.engine).__name__

@@ -240,7 +240,7 @@ BAD_FILES = {
                       ["reward.workers: 0: not an integer >= 1", "Fix: set workers: 1 or more"]),
     "bad strategy": (variant(("rollout.strategy", "vlm")),
                      ["rollout.strategy: 'vlm': not a rollout strategy (did you mean 'vllm'?)",
-                      "Fix: use one of hf, vllm."]),
+                      "Fix: use one of cuda_graph, hf, vllm."]),
     "reward none x2": (variant(("reward.device_ids", [2, 4])),
                        ["reward.strategy: 'none': 'none' runs one reward worker but 2 are set",
                         "Fix: use strategy: data_parallel"]),

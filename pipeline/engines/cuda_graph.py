@@ -1,0 +1,197 @@
+"""Generation on a CUDA GPU without vLLM: a decode loop over a preallocated KV cache whose
+steps replay as CUDA graphs.
+
+Why not `model.generate`: it keeps (or would have to keep) every step's full-vocabulary
+logits to return logprobs, and even with transformers' compiled static cache it spends most
+of a decode step launching kernels from Python. Here:
+
+- the KV cache is a transformers StaticCache allocated once per (batch, length) bucket;
+- each decode step (the model's forward for one token, temperature / top-k / top-p
+  sampling and the sampled token's logprob) is one function compiled by torch.compile in
+  "reduce-overhead" mode, which captures it as a CUDA graph and replays it;
+- only the sampled token and its logprob leave the step (B values each), never the logits;
+- sequences stop at their EOS, and the loop exits once every sequence has ended;
+- prompt lengths are rounded up to a multiple of `prompt_bucket` and batches to a power of
+  two, so a run compiles a bounded number of graphs (one per bucket pair seen);
+- new policy weights are copied into the existing parameter tensors, so the captured
+  graphs keep pointing at valid memory and serve the new version without a recompile.
+
+On a CPU (tests) the same loop runs eagerly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+
+import torch
+
+from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts
+from pipeline.records import GenerationRequest, Rollout
+
+logger = logging.getLogger("dask_rl")
+
+# How often (in decode steps) the loop asks the GPU whether every sequence has ended. Each
+# ask is a device-to-host sync; 8 steps of overshoot cost less than a sync every step.
+EOS_CHECK_EVERY = 8
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) logits -> (B,) sampled tokens and (B,) their float32 logprobs.
+
+    The logprob is that of the distribution sampled from: log_softmax(logits / temperature)
+    after top-k / top-p filtering and renormalisation. With top_k=0 and top_p=1 that is
+    exactly what the actor's loss evaluates, so on-policy ratios start at 1.
+    Sampling is an exponential race (argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
+    probability p_i): one pass, no cumulative sums, and it runs inside a CUDA graph.
+    """
+    scaled = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(scaled, min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass; the
+        # most likely token is always kept.
+        drop = (probs.cumsum(-1) - probs) > top_p
+        scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    logp = torch.log_softmax(scaled, dim=-1)
+    race = logp - torch.empty_like(logp).exponential_().log()
+    tokens = race.argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def bucket_batch(rows: int) -> int:
+    """Rows rounded up to a power of two (at least 8): few distinct graph shapes."""
+    return max(8, 1 << math.ceil(math.log2(max(rows, 1))))
+
+
+def bucket_length(length: int, step: int) -> int:
+    return max(step, -(-length // step) * step)
+
+
+class CudaGraphEngine:
+    """Samples with a CUDA-graph decode loop; the same interface as HFEngine.
+
+    Args:
+        model: a transformers causal LM already on its device (bf16 on GPUs).
+        max_batch_size: rows decoded together; a larger request runs in chunks.
+        prompt_bucket: prompts are left-padded to a multiple of this many tokens.
+        top_k / top_p: sampling filters (0 / 1.0: sample from the full distribution).
+        compile: capture decode steps as CUDA graphs (default: on CUDA devices).
+    """
+
+    def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
+                 prompt_bucket: int = 64, top_k: int = 0, top_p: float = 1.0, compile: bool | None = None):
+        self.model = model.eval()
+        self.pad_id, self.eos_id, self.device = pad_id, eos_id, device
+        self.max_batch_size = bucket_batch(max_batch_size)
+        self.prompt_bucket = prompt_bucket
+        self.top_k, self.top_p = top_k, top_p
+        self.compiled = torch.device(device).type == "cuda" if compile is None else compile
+        self._caches: dict[tuple[int, int], object] = {}   # (batch, length) -> StaticCache
+        # transformers renamed forward's `past_key_values` to `cache` (5.2x); take either.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # Dynamo specialises on the Python floats/ints it sees (temperature, filters) and on
+        # the cache object: one graph per bucket pair and temperature, within its limit.
+        self._decode = (torch.compile(self._decode_step, mode="reduce-overhead", dynamic=False)
+                        if self.compiled else self._decode_step)
+
+    @torch.no_grad()
+    def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
+        prompts, groups = repeat_prompts(request)
+        torch.manual_seed(request.seed)
+        width = bucket_length(max(len(p) for p in prompts), self.prompt_bucket)
+        responses, logprobs = [], []
+        for start in range(0, len(prompts), self.max_batch_size):
+            ids, mask = left_pad(prompts[start:start + self.max_batch_size], self.pad_id, width=width)
+            tokens, lps = self._generate_chunk(ids, mask, request.max_new_tokens, request.temperature)
+            responses.append(tokens)
+            logprobs.append(lps)
+        width_r = max(r.shape[1] for r in responses)
+        responses = torch.cat([torch.nn.functional.pad(r, (0, width_r - r.shape[1]), value=self.pad_id)
+                               for r in responses])
+        logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width_r - lp.shape[1])) for lp in logprobs])
+        ids, mask = left_pad(prompts, self.pad_id, width=width)
+        return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
+
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, P) left-padded prompts -> (B, T) responses (pad after EOS) and their logprobs."""
+        rows, width = ids.shape
+        batch = bucket_batch(rows)
+        if batch > rows:  # filler rows repeat the first prompt; their samples are dropped
+            ids = torch.cat([ids, ids[:1].expand(batch - rows, -1)])
+            mask = torch.cat([mask, mask[:1].expand(batch - rows, -1)])
+        length = width + max_new_tokens
+        cache = self._cache(batch, length)
+        cache.reset()  # zeroes keys/values and, where transformers tracks it, the write position
+        dev = self.device
+        attention = torch.zeros((batch, length), dtype=torch.long, device=dev)
+        attention[:, :width] = mask.to(dev)
+        lengths = attention.sum(-1, keepdim=True)  # (B, 1) real prompt tokens
+        # Prefill: the whole prompt in one eager forward, writing cache positions 0..P-1.
+        logits = self.model(input_ids=ids.to(dev), attention_mask=attention,
+                            position_ids=(attention[:, :width].cumsum(-1) - 1).clamp(min=0),
+                            cache_position=torch.arange(width, device=dev), use_cache=True, logits_to_keep=1,
+                            **{self._cache_arg: cache}).logits[:, -1]
+        token, logprob = sample_tokens(logits, temperature, self.top_k, self.top_p)
+        tokens = torch.full((batch, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=dev)
+        done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        # Cache positions live on the device: a fresh host tensor every step would be a
+        # synchronous copy that stalls the CPU until the GPU has caught up.
+        positions = torch.arange(width, length, device=dev)
+        steps = max_new_tokens
+        for t in range(max_new_tokens):
+            tokens[:, t] = token.masked_fill(done, self.pad_id)
+            logprobs[:, t] = logprob.masked_fill(done, 0.0)
+            done |= token == self.eos_id
+            if t == max_new_tokens - 1 or (t % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and bool(done[:rows].all())):
+                steps = t + 1
+                break
+            attention[:, width + t] = 1
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            token, logprob = self._decode(token[:, None].clone(), lengths + t, positions[t:t + 1], attention,
+                                          cache, temperature)
+        return tokens[:rows, :steps].cpu(), logprobs[:rows, :steps].cpu()
+
+    def _decode_step(self, token, position_ids, cache_position, attention, cache, temperature: float):
+        logits = self.model(input_ids=token, attention_mask=attention, position_ids=position_ids,
+                            cache_position=cache_position, use_cache=True, **{self._cache_arg: cache}).logits[:, -1]
+        return sample_tokens(logits, temperature, self.top_k, self.top_p)
+
+    def _cache(self, batch: int, length: int):
+        """The StaticCache for this bucket pair; allocated on first use, then reused."""
+        from transformers import StaticCache
+
+        key = (batch, length)
+        if key not in self._caches:
+            logger.info("dask-rl: cuda_graph engine: new KV cache for batch %d x %d tokens", batch, length)
+            self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+        return self._caches[key]
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy new weights into the existing parameters (captured graphs stay valid)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = [name for name in params if name not in state]
+        tied = {name for name in missing if _is_tied_alias(self.model, name)}
+        if set(missing) - tied:
+            raise KeyError(f"new weights lack {sorted(set(missing) - tied)[:5]}: publish the full state")
+        with torch.no_grad():
+            for name, param in params.items():
+                if name in state:
+                    param.copy_(state[name], non_blocking=True)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _is_tied_alias(model, name: str) -> bool:
+    """True for an output embedding that shares the input embedding's tensor."""
+    output = model.get_output_embeddings()
+    return (output is not None and name.endswith("weight") and output.weight is model.get_input_embeddings().weight
+            and name.startswith(next(n for n, m in model.named_modules() if m is output)))

@@ -1,0 +1,136 @@
+"""Rollout engines in-process: the sampled tokens' logprobs equal the actor's forward on the
+same tokens, EOS ends a sequence, buckets bound the shapes, new weights land in place.
+
+The CUDA-graph engine runs its decode loop eagerly on CPU here; `-m gpu` runs it captured
+on a GPU (tests/pipeline/test_engines_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.engines.cuda_graph import CudaGraphEngine, bucket_batch, bucket_length, sample_tokens
+from pipeline.engines.hf import HFEngine
+from pipeline.models import load_causal_lm, load_tokenizer
+from pipeline.records import GenerationRequest
+from pipeline.roles.forward import response_logprobs
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model):
+    return load_causal_lm(tiny_model), load_tokenizer(tiny_model)
+
+
+def _request(tokenizer, prompts=4, samples=3, new_tokens=12, temperature=1.0, seed=5):
+    ids = [tokenizer(f"what is {i} plus {i * 7}? answer: ")["input_ids"][: 10 + 3 * i] for i in range(prompts)]
+    return GenerationRequest(ids, list(range(100, 100 + prompts)), samples, new_tokens, temperature, seed)
+
+
+def _actor_logprobs(model, rollout, temperature):
+    return response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+                             temperature) * rollout.response_mask
+
+
+@pytest.mark.parametrize("engine_cls", [HFEngine, CudaGraphEngine])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_the_actor_forward(engine_cls, temperature, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    engine = engine_cls(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu")
+    request = _request(tokenizer, temperature=temperature)
+    rollout = engine.generate(request, policy_version=3)
+
+    assert len(rollout) == 12 and rollout.policy_version == 3
+    assert rollout.group_ids.tolist() == [g for g in range(100, 104) for _ in range(3)]
+    # Every row holds its own prompt, right-aligned at P, followed by the response.
+    for row, prompt in enumerate(p for p in request.prompt_ids for _ in range(3)):
+        assert rollout.input_ids[row, rollout.prompt_length - len(prompt):rollout.prompt_length].tolist() == prompt
+        assert rollout.attention_mask[row, :rollout.prompt_length].sum() == len(prompt)
+    expected = _actor_logprobs(model, rollout, temperature)
+    assert (rollout.behavior_logprobs <= 0).all()
+    torch.testing.assert_close(rollout.behavior_logprobs, expected, atol=2e-5, rtol=0)
+
+
+def test_cuda_graph_engine_stops_each_sequence_at_eos(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    eos = tokenizer.eos_token_id
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu")
+    # Make EOS likely (its logit raised by 3): rows end at different steps, and the loop
+    # exits before max_new_tokens once all have.
+    def raise_eos(module, args, logits):
+        logits[..., eos] += 3.0
+        return logits
+
+    hook = model.lm_head.register_forward_hook(raise_eos)
+    try:
+        rollout = engine.generate(_request(tokenizer, new_tokens=64, samples=4), policy_version=0)
+    finally:
+        hook.remove()
+    responses, mask = rollout.responses, rollout.response_mask
+    ended = (responses == eos).any(-1)
+    assert ended.all(), "every row should have sampled EOS with its logit raised"
+    assert responses.shape[1] < 64, "the loop should exit once every sequence has ended"
+    for row in range(len(rollout)):
+        first = int((responses[row] == eos).nonzero()[0])
+        assert mask[row, :first + 1].tolist() == [1.0] * (first + 1)
+        assert mask[row, first + 1:].sum() == 0
+        assert (responses[row, first + 1:] == tokenizer.pad_token_id).all()
+        assert (rollout.behavior_logprobs[row, first + 1:] == 0).all()
+
+
+def test_cuda_graph_engine_splits_large_batches_and_loads_weights_in_place(tiny_model, model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    model = load_causal_lm(tiny_model)
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
+                             max_batch_size=8)
+    request = _request(tokenizer, prompts=5, samples=4)   # 20 rows: chunks of 8, 8 and 4 (padded to 8)
+    before = engine.generate(request, policy_version=0)
+    assert len(before) == 20
+    torch.testing.assert_close(before.behavior_logprobs, _actor_logprobs(model, before, 1.0), atol=2e-5, rtol=0)
+
+    pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
+    other = load_causal_lm(tiny_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.load_state_dict(other.state_dict())
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == pointers, "weights must stay in place"
+    for name, p in model.named_parameters():
+        assert torch.equal(p, other.get_parameter(name))
+    after = engine.generate(request, policy_version=1)
+    torch.testing.assert_close(after.behavior_logprobs, _actor_logprobs(other, after, 1.0), atol=2e-5, rtol=0)
+
+    with pytest.raises(KeyError, match="publish the full state"):
+        engine.load_state_dict({"model.norm.weight": model.model.norm.weight.clone()})
+
+
+def test_sampling_matches_the_distribution_and_filters():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(20000, -1)
+    tokens, logprobs = sample_tokens(logits, temperature=1.0)
+    frequency = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    torch.testing.assert_close(frequency, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0)
+    torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[tokens])
+
+    # Temperature 0.5 squares the probabilities before renormalising: 0.25/0.34 etc.
+    _, lp = sample_tokens(logits[:1], temperature=0.5)
+    probs = torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365
+    assert math.isclose(float(lp.exp()), float(probs[_[0]]), rel_tol=1e-5)
+
+    # top_k=2 keeps 0.5 and 0.3, renormalised to 0.625 and 0.375.
+    tokens, logprobs = sample_tokens(logits, 1.0, top_k=2)
+    assert set(tokens.tolist()) == {0, 1}
+    torch.testing.assert_close(logprobs.exp(), torch.tensor([0.625, 0.375])[tokens])
+    # top_p=0.7: 0.5 alone holds less than 0.7, 0.5 + 0.3 reaches it: keep those two.
+    tokens, logprobs = sample_tokens(logits, 1.0, top_p=0.7)
+    assert set(tokens.tolist()) == {0, 1}
+    torch.testing.assert_close(logprobs.exp(), torch.tensor([0.625, 0.375])[tokens])
+    # top_p=0.4: the most likely token alone.
+    tokens, logprobs = sample_tokens(logits[:100], 1.0, top_p=0.4)
+    assert tokens.tolist() == [0] * 100 and torch.allclose(logprobs, torch.zeros(100))
+
+
+def test_buckets_bound_the_shapes():
+    assert [bucket_batch(n) for n in (1, 8, 9, 64, 65, 256)] == [8, 8, 16, 64, 128, 256]
+    assert [bucket_length(n, 64) for n in (1, 64, 65, 130)] == [64, 64, 128, 192]
