@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Iterable
+import uuid
+from typing import Any, Callable, Iterable
 
 import dask
-from distributed import Client, Scheduler, SpecCluster
+from distributed import Client, Future, Scheduler, SpecCluster
 
 from resources.launcher import LocalLauncher, dask_worker_spec
 from resources.plan import WorkerSpec
@@ -66,6 +67,15 @@ def role_workers(client: Client, role: str) -> list[dict]:
 
 def role_addresses(client: Client, role: str) -> list[str]:
     return [w["address"] for w in role_workers(client, role)]
+
+
+def submit(client: Client, role: str, fn: Callable, *args: Any, tag: str = "",
+           workers: list[str] | None = None, **kwargs: Any) -> Future:
+    """Run `fn(*args)` on a worker carrying `role`; the key reads `role-fn-tag-xxxxxxxx`
+    so the dashboard groups and colours tasks by role and function."""
+    key = f"{role}-{fn.__name__.replace('_', '-')}-{tag}-{uuid.uuid4().hex[:8]}"
+    return client.submit(fn, *args, key=key, resources={role: 1}, pure=False, workers=workers,
+                         allow_other_workers=False, **kwargs)
 
 
 async def _set_role_resource(role: str, quantity: float, dask_worker=None) -> None:
