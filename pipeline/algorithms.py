@@ -149,24 +149,36 @@ def compute_gae(
 def grpo_advantages(
     scores: Tensor, group_size: int, eps: float = 1e-6, scale_by_std: bool = True
 ) -> Tensor:
-    """Group-relative advantages. scores (B,), B = n_prompts * group_size, groups contiguous -> (B,).
-
-    A_i = (r_i - mean(group)) / (std(group) + eps), std unbiased (N-1) as in the GRPO paper / TRL;
-    with scale_by_std=False, A_i = r_i - mean(group) (Dr. GRPO). A group of one has no baseline,
-    so its advantage is 0 (the unbiased std of one sample is nan).
-    """
+    """group_advantages for contiguous groups. scores (B,), B = n_prompts * group_size -> (B,)."""
     B = scores.shape[0]
     if group_size < 1 or B % group_size != 0:
         raise ValueError(
             f"batch of {B} scores is not a whole number of groups of group_size={group_size}"
         )
-    r = (scores if scores.is_floating_point() else scores.float()).view(-1, group_size)
-    if group_size == 1:
-        return torch.zeros_like(r).view(B)
-    adv = r - r.mean(dim=1, keepdim=True)
+    group_ids = torch.arange(B, device=scores.device) // group_size
+    return group_advantages(scores, group_ids, eps, scale_by_std)
+
+
+@torch.no_grad()
+def group_advantages(
+    scores: Tensor, group_ids: Tensor, eps: float = 1e-6, scale_by_std: bool = True
+) -> Tensor:
+    """Group-relative advantages. scores (B,), group_ids (B,), rows of a group anywhere -> (B,).
+
+    A_i = (r_i - mean(g)) / (std(g) + eps) over the rows g with group_ids == group_ids[i], std
+    unbiased (N-1) as in the GRPO paper / TRL; with scale_by_std=False, A_i = r_i - mean(g)
+    (Dr. GRPO). A group of one has no baseline, so its advantage is 0 (the unbiased std of one
+    sample is nan).
+    """
+    r = scores if scores.is_floating_point() else scores.float()
+    _, group, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n = counts.to(r.dtype)
+    per_group = lambda x: torch.zeros_like(n).index_add_(0, group, x)  # noqa: E731 - sums of x per group
+    adv = r - (per_group(r) / n)[group]
     if scale_by_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    return adv.view(B)
+        std = (per_group(adv**2) / (n - 1).clamp(min=1)).sqrt()
+        adv = adv / (std[group] + eps)
+    return torch.where(counts[group] > 1, adv, torch.zeros_like(adv))
 
 
 @torch.no_grad()

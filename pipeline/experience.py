@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.algorithms import (compute_gae, grpo_advantages, kl_penalty, masked_mean, masked_whiten,
+from pipeline.algorithms import (compute_gae, group_advantages, kl_penalty, masked_mean, masked_whiten,
                                  token_level_rewards)
 from pipeline.records import Experience, Rollout
 
@@ -18,8 +18,11 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
     """Args: rollout (B rows), scores (B,), ref_logprobs (B, R), values (B, R) or None for GRPO.
 
     PPO: per-token reward = -kl_coef * KL, plus the score on the last token; GAE with the
-    critic's values gives advantages (whitened) and returns. GRPO: each sample's reward is
-    normalised within its prompt's group and applied to all of its tokens; KL goes to the loss.
+    critic's values gives advantages (whitened) and returns. The returns are taken before
+    whitening: they are the critic's targets, in reward units. GRPO: each sample's reward is
+    normalised within its group (the rows sharing rollout.group_ids, in any order: shards
+    need not arrive in prompt order) and applied to all of its tokens; KL goes to the loss.
+    `group_size` is the number of rows every group must have.
     """
     mask = rollout.response_mask
     kl = kl_penalty(rollout.behavior_logprobs, ref_logprobs, kind="k1") * mask
@@ -30,7 +33,8 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
             advantages = masked_whiten(advantages, mask)
         old_values = values
     else:
-        advantages = grpo_advantages(scores, group_size)[:, None] * mask
+        _check_groups(rollout.group_ids, group_size)
+        advantages = group_advantages(scores, rollout.group_ids)[:, None] * mask
         returns = old_values = torch.zeros_like(mask)
     experience = Experience(
         input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, response_mask=mask,
@@ -42,3 +46,12 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
     stats = {"reward_mean": float(scores.float().mean()), "kl_mean": float(masked_mean(kl, mask)),
              "response_length": float(mask.sum(-1).mean()), "tokens": int(mask.sum())}
     return experience, stats
+
+
+def _check_groups(group_ids: torch.Tensor, group_size: int) -> None:
+    """A group with rows missing (or from two steps) would get a baseline from the wrong rows."""
+    ids, counts = torch.unique(group_ids, return_counts=True)
+    wrong = {int(i): int(c) for i, c in zip(ids, counts) if c != group_size}
+    if wrong:
+        raise ValueError(f"GRPO groups must have samples_per_prompt={group_size} rows each; "
+                         f"group id -> rows: {dict(list(wrong.items())[:5])}")

@@ -1,5 +1,6 @@
-"""Model and tokenizer loading, the critic's value head, and the tiny local models used
-by the quickstart and the tests (no hub is needed for either)."""
+"""Model and tokenizer loading, the critic's value head, the position ids every forward
+pass over a rollout uses, and the tiny local models used by the quickstart and the tests
+(no hub is needed for either)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,11 @@ def materialize(model_or_path, directory: str | os.PathLike, tokenizer=None) -> 
     return str(directory)
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions that skip left padding, as generation assigned them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 class ValueModel(nn.Module):
     """The critic: a causal LM's transformer body with a scalar head on every position.
 
@@ -116,8 +122,6 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, L) ids and mask -> (B, L) values, one per position."""
-        from pipeline.roles.forward import position_ids
-
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids(attention_mask)).last_hidden_state
         return self.head(hidden).squeeze(-1)

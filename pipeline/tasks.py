@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 from distributed import Client, Future, wait
 
-from resources.cluster import role_addresses
+# submit lives with the role-tagged workers it targets, so that pipeline.roles.sync can use it
+# without importing this driver-side module; the driver modules keep importing it from here.
+from resources.cluster import role_addresses, submit  # noqa: F401
 
 
 logger = logging.getLogger("dask_rl")
@@ -17,15 +18,6 @@ logger = logging.getLogger("dask_rl")
 
 class RoleTimeout(TimeoutError):
     """A wait on a role's tasks ran past timeout_seconds."""
-
-
-def submit(client: Client, role: str, fn: Callable, *args: Any, tag: str = "",
-           workers: list[str] | None = None, **kwargs: Any) -> Future:
-    """Run `fn(*args)` on a worker carrying `role`; the key reads `role-fn-tag-xxxxxxxx`
-    so the dashboard groups and colours tasks by role and function."""
-    key = f"{role}-{fn.__name__.replace('_', '-')}-{tag}-{uuid.uuid4().hex[:8]}"
-    return client.submit(fn, *args, key=key, resources={role: 1}, pure=False, workers=workers,
-                         allow_other_workers=False, **kwargs)
 
 
 def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, timeout: float) -> list:

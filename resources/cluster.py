@@ -1,8 +1,8 @@
 """Start a Dask cluster from a worker plan: one Nanny-managed process per role worker.
 
 Every worker carries exactly one role resource (`{"rollout": 1}`), one thread and its own
-CUDA_VISIBLE_DEVICES. GPU workers get dask-cuda's CPU-affinity plugin when dask-cuda is
-installed; CPU workers are plain distributed workers, so the CPU path needs no NVML.
+CUDA_VISIBLE_DEVICES; launcher.dask_worker_spec holds the worker options. This module
+imports the launcher, never the other way round.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Iterable
+import uuid
+from typing import Any, Callable, Iterable
 
 import dask
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed import Client, Future, Scheduler, SpecCluster
 
+from resources.launcher import LocalLauncher, dask_worker_spec
 from resources.plan import WorkerSpec
 
 logger = logging.getLogger("dask_rl")
@@ -42,33 +44,6 @@ def configure_dask() -> None:
     logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
-def dask_worker_spec(worker: WorkerSpec) -> dict:
-    """The SpecCluster entry for one role worker."""
-    options = {
-        "name": worker.name,
-        "nthreads": worker.nthreads,
-        "resources": worker.resources,
-        "env": worker.env_dict,
-        # Quiet workers: a training run's console is the progress bar, not Dask's INFO log.
-        "silence_logs": logging.WARNING,
-        "memory_limit": 0,
-    }
-    if worker.device_type == "cuda":
-        options["plugins"] = _cuda_worker_plugins(worker.device_id)
-    return {"cls": Nanny, "options": options}
-
-
-def _cuda_worker_plugins(device_id: int) -> set:
-    """dask-cuda's CPU-affinity plugin for the GPU's NUMA node, when dask-cuda is present."""
-    try:
-        from dask_cuda.plugins import CPUAffinity
-        from dask_cuda.utils import get_cpu_affinity
-    except ImportError as error:  # still a working GPU worker, only without NUMA pinning
-        logger.warning("dask-rl: dask-cuda unavailable (%s); GPU %d worker runs without CPU affinity", error, device_id)
-        return set()
-    return {CPUAffinity(get_cpu_affinity(device_id))}
-
-
 def live_workers(client: Client) -> dict[str, dict]:
     """address -> {name, host, resources} of every worker, read on the scheduler itself.
 
@@ -92,6 +67,15 @@ def role_workers(client: Client, role: str) -> list[dict]:
 
 def role_addresses(client: Client, role: str) -> list[str]:
     return [w["address"] for w in role_workers(client, role)]
+
+
+def submit(client: Client, role: str, fn: Callable, *args: Any, tag: str = "",
+           workers: list[str] | None = None, **kwargs: Any) -> Future:
+    """Run `fn(*args)` on a worker carrying `role`; the key reads `role-fn-tag-xxxxxxxx`
+    so the dashboard groups and colours tasks by role and function."""
+    key = f"{role}-{fn.__name__.replace('_', '-')}-{tag}-{uuid.uuid4().hex[:8]}"
+    return client.submit(fn, *args, key=key, resources={role: 1}, pure=False, workers=workers,
+                         allow_other_workers=False, **kwargs)
 
 
 async def _set_role_resource(role: str, quantity: float, dask_worker=None) -> None:
@@ -134,8 +118,6 @@ class RoleCluster:
         remote workers running. `specs` holds only the workers this object started, so
         update_resource never retires a worker some other host owns.
         """
-        from resources.launcher import LocalLauncher  # imports this module
-
         configure_dask()
         self = cls.__new__(cls)  # no SpecCluster: __init__ would start one
         self.specs, self.cluster = {}, None

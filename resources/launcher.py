@@ -2,21 +2,54 @@
 
 `dask-rl worker` and a RoleCluster connected to a remote scheduler both start workers the
 same way SpecCluster does: one Nanny per worker, built from the same options
-(cluster.dask_worker_spec), so a worker joining from another host is configured exactly
-like one started by the trainer. The Nanny keeps a crashed worker restarted; a worker the
-scheduler retires tells its Nanny to close instead, so retiring ends the process for good.
+(dask_worker_spec, which the local RoleCluster's SpecCluster uses too), so a worker joining
+from another host is configured exactly like one started by the trainer. GPU workers get
+dask-cuda's CPU-affinity plugin when dask-cuda is installed; CPU workers are plain
+distributed workers, so the CPU path needs no NVML.
+
+The Nanny keeps a crashed worker restarted; a worker the scheduler retires tells its Nanny
+to close instead, so retiring ends the process for good.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Iterable
 
 from distributed import Client, Nanny
 
-from resources.cluster import dask_worker_spec
 from resources.plan import WorkerSpec
+
+logger = logging.getLogger("dask_rl")
+
+
+def dask_worker_spec(worker: WorkerSpec) -> dict:
+    """The SpecCluster entry for one role worker."""
+    options = {
+        "name": worker.name,
+        "nthreads": worker.nthreads,
+        "resources": worker.resources,
+        "env": worker.env_dict,
+        # Quiet workers: a training run's console is the progress bar, not Dask's INFO log.
+        "silence_logs": logging.WARNING,
+        "memory_limit": 0,
+    }
+    if worker.device_type == "cuda":
+        options["plugins"] = _cuda_worker_plugins(worker.device_id)
+    return {"cls": Nanny, "options": options}
+
+
+def _cuda_worker_plugins(device_id: int) -> set:
+    """dask-cuda's CPU-affinity plugin for the GPU's NUMA node, when dask-cuda is present."""
+    try:
+        from dask_cuda.plugins import CPUAffinity
+        from dask_cuda.utils import get_cpu_affinity
+    except ImportError as error:  # still a working GPU worker, only without NUMA pinning
+        logger.warning("dask-rl: dask-cuda unavailable (%s); GPU %d worker runs without CPU affinity", error, device_id)
+        return set()
+    return {CPUAffinity(get_cpu_affinity(device_id))}
 
 
 async def start_nannies(scheduler_address: str, workers: Iterable[WorkerSpec]) -> dict[str, Nanny]:

@@ -4,7 +4,7 @@
 
 starts one worker process per GPU (a Nanny with CUDA_VISIBLE_DEVICES=<id>, one thread,
 no memory limit, the resource {role: 1}) named "reward-<hostname>-gpu4", the same worker
-the trainer starts for a local GPU (cluster.dask_worker_spec). Without --device-ids it
+the trainer starts for a local GPU (launcher.dask_worker_spec). Without --device-ids it
 starts `workers` CPU workers, "reward-<hostname>-<k>", which never see a GPU. The role's
 model comes from the trainer's plugin once the trainer has registered it, so a worker can
 join before or while the training runs. Ctrl-C (or SIGTERM) closes the workers cleanly;

@@ -5,11 +5,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.algorithms import logprobs_from_logits
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) positions that skip left padding, as generation assigned them."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+from pipeline.models import position_ids
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 
 from pipeline.roles.host import role_state
 from pipeline.weights import BroadcastChannel, Layout, tensor_layout
+from resources.cluster import submit
 
 _CHANNELS: dict[str, BroadcastChannel] = {}   # init_method -> the channel open in this process
 _LOCK = threading.Lock()
@@ -115,8 +116,6 @@ def receive_weights(channel: ChannelInfo, version: int, layout: Layout) -> dict:
 def broadcast_weights(client, version: int, layout: Layout, actor_address: str, rollout_addresses: list[str],
                       init_method: str, backend: str = "gloo", timeout_seconds: float = 300.0) -> list:
     """Driver side: submit the sender and every receiver together; futures, sender first."""
-    from pipeline.tasks import submit
-
     infos = channel_infos(init_method, len(rollout_addresses), backend, timeout_seconds)
     futures = [submit(client, "actor", send_weights, infos[0], version, tag=f"v{version}", workers=[actor_address])]
     futures += [submit(client, "rollout", receive_weights, info, version, layout, tag=f"v{version}-r{info.rank}",

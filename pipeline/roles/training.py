@@ -122,7 +122,11 @@ class Trainable:
         depend on it. `loss_fn` must already divide by the global token count (see the
         module docstring). Returns the summed stats of the micro-batches plus the gradient norm.
         """
-        self.model.train()
+        # Eval mode, i.e. dropout off, while computing gradients: the proximal log-probs and
+        # old values come from eval-mode forwards, so with dropout on, on-policy ratios would
+        # be != 1 from the first step. Transformers models read `training` only for dropout
+        # (and gradient checkpointing, unused here); gradients flow the same in eval mode.
+        self.model.eval()
         rows = self.allocator.rows(max_rows, tokens_per_row, self._free_bytes())
         while True:
             try:

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 from pipeline.algorithms import (
     compute_gae,
     entropy_from_logits,
+    group_advantages,
     grpo_advantages,
     importance_weights,
     kl_loss,
@@ -259,6 +260,18 @@ def test_grpo_advantages_bad_group_size():
 
 def test_grpo_advantages_int_scores():
     assert_close(grpo_advantages(torch.tensor([2, 0]), 2, eps=0.0), t([math.sqrt(0.5), -math.sqrt(0.5)]))
+
+
+def test_group_advantages_follow_group_ids_not_row_order():
+    # group 7 = rows 0, 2, 4 with scores [0, 3, 6]: mean 3, unbiased std sqrt((9 + 0 + 9)/2) = 3
+    #   -> [-1, 0, 1]; group 2 = rows 1, 5 with [4, 2]: mean 3, std sqrt(2) -> +-1/sqrt(2);
+    # group 9 = row 3 alone: no baseline -> 0 (not nan, even with eps = 0).
+    scores = t([0.0, 4.0, 3.0, 5.0, 6.0, 2.0])
+    ids = torch.tensor([7, 2, 7, 9, 7, 2])
+    h = 1 / math.sqrt(2)
+    assert_close(group_advantages(scores, ids, eps=0.0), t([-1.0, h, 0.0, 0.0, 1.0, -h]))
+    # Dr. GRPO: r - mean only
+    assert_close(group_advantages(scores, ids, scale_by_std=False), t([-3.0, 1.0, 0.0, 0.0, 3.0, -1.0]))
 
 
 # ---------------------------------------------------------------- importance weights
