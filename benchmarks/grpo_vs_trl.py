@@ -1,0 +1,190 @@
+"""The same GRPO work through dask-rl and through TRL's GRPOTrainer, one after the other in
+one run on one GPU: steady step time, completion tokens/s, peak GPU memory of all processes
+(NVML), and the ratios.
+
+    python benchmarks/grpo_vs_trl.py --prompts-per-step 8            # 8 x 8 samples a step
+    python benchmarks/grpo_vs_trl.py --prompts-per-step 32           # batch 256
+
+The work: the Qwen2-0.5B shape with random bf16 weights (benchmarks/shapes.py), prompts of
+128 tokens, 8 samples per prompt, 256 new tokens at temperature 1, KL weight 0, a Python
+reward function. dask-rl: every role on GPU 0 (reward on a CPU worker), the cuda_graph
+rollout engine, max_staleness 1, weight sync "auto" (CUDA IPC here), micro-batches of 16.
+TRL: GRPOTrainer with its defaults (HF generate, gradient checkpointing on) and the same
+batch: micro-batches of 16, one optimizer step per generated batch.
+dask-rl runs first: its driver never opens the GPU, so NVML sees only its workers; TRL
+then runs in this process after dask-rl's workers are gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import save_qwen2_05b, word_prompts  # noqa: E402
+
+SAMPLES = 8
+NEW_TOKENS = 256
+PROMPT_TOKENS = 128
+MICRO_BATCH = 16
+
+
+def even_words(prompt: str, response: str) -> float:
+    """Share of the response's words whose id is even: cheap, deterministic, in [0, 1]."""
+    words = response.split()
+    return sum(w[-1:] in "02468" for w in words) / max(1, len(words))
+
+
+class GpuMemory:
+    """Peak of the summed per-process GPU memory (NVML) on one GPU, sampled every 50 ms."""
+
+    def __init__(self, index: int = 0):
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def used(self) -> int:
+        return sum(p.usedGpuMemory or 0 for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.used())
+
+    def __enter__(self) -> GpuMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, float]:
+    s, t = seconds[warmup:], tokens[warmup:]
+    return {"step_seconds": statistics.median(s), "tokens_per_second": sum(t) / sum(s)}
+
+
+def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
+    from pipeline import HybridTrainer
+    from resources import load_resource_config
+
+    gpu = {"device_type": "cuda", "device_ids": [0]}
+    config = load_resource_config({
+        "actor": {**gpu, "strategy": "none"}, "rollout": {**gpu, "strategy": "cuda_graph"},
+        "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True,
+        "comm_backend": "nccl", "timeout_seconds": 600})
+    seconds, tokens, phases = [], [], []
+    with GpuMemory() as memory:
+        start = time.perf_counter()
+        trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
+                                samples_per_prompt=SAMPLES, prompts_per_step=args.prompts_per_step,
+                                max_new_tokens=NEW_TOKENS, kl_coef=0.0, max_staleness=1, dtype="bfloat16",
+                                micro_batch_size=MICRO_BATCH, actor_lr=1e-6, temperature=1.0,
+                                show_progress=False, dashboard_address=":0", output_dir=args.work_dir + "/dask-rl")
+        started = time.perf_counter() - start
+        print(f"dask-rl: cluster and models ready in {started:.1f} s", flush=True)
+
+        def on_step(record):
+            seconds.append(record.seconds)
+            tokens.append(record.tokens)
+            phases.append(record.phases)
+            print(f"dask-rl step {record.step}: {record.seconds:.2f} s, {record.tokens} tokens, "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items()), flush=True)
+
+        try:
+            trainer.train(args.dask_steps, on_step=on_step)
+        finally:
+            trainer.close()
+    result = steady(seconds, tokens, args.warmup)
+    return {**result, "peak_gib": memory.peak / 2**30, "start_seconds": started,
+            "first_step_seconds": seconds[0]}
+
+
+def run_trl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pipeline.models import load_tokenizer
+
+    seconds: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - self.start)
+            print(f"TRL step {len(seconds) - 1}: {seconds[-1]:.2f} s", flush=True)
+
+    def reward(prompts, completions, **kwargs):
+        return [even_words(p, c) for p, c in zip(prompts, completions)]
+
+    batch = args.prompts_per_step * SAMPLES
+    config = GRPOConfig(output_dir=args.work_dir + "/trl", per_device_train_batch_size=MICRO_BATCH,
+                        gradient_accumulation_steps=batch // MICRO_BATCH, num_generations=SAMPLES,
+                        max_completion_length=NEW_TOKENS, beta=0.0, learning_rate=1e-6, temperature=1.0,
+                        max_steps=args.trl_steps, logging_steps=1, report_to="none", save_strategy="no",
+                        disable_tqdm=True, seed=0, bf16=True)
+    with GpuMemory() as memory:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
+                              train_dataset=Dataset.from_dict({"prompt": prompts}),
+                              processing_class=load_tokenizer(model_dir), callbacks=[StepTimer()])
+        trainer.train()
+    tokens = [batch * NEW_TOKENS] * len(seconds)   # no EOS is sampled in practice: full lengths
+    return {**steady(seconds, tokens, args.warmup_trl), "peak_gib": memory.peak / 2**30}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--dask-steps", type=int, default=12)
+    parser.add_argument("--trl-steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="dask-rl steps left out (compile, pipeline fill)")
+    parser.add_argument("--warmup-trl", type=int, default=1)
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
+    parser.add_argument("--work-dir", default=tempfile.mkdtemp(prefix="grpo-vs-trl-"))
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    model_dir = str(save_qwen2_05b(args.model_dir))
+    steps = max(args.dask_steps, args.trl_steps) + 1
+    prompts = word_prompts(args.prompts_per_step * steps, PROMPT_TOKENS)
+    results = {"dask-rl": run_dask_rl(model_dir, prompts, args)}
+    if not args.skip_trl:
+        results["trl"] = run_trl(model_dir, prompts, args)
+    batch = args.prompts_per_step * SAMPLES
+    print(f"\nGRPO, {args.prompts_per_step} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens "
+          f"(batch {batch}), prompt {PROMPT_TOKENS} tokens, KL 0:")
+    for name, r in results.items():
+        print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} tokens/s  "
+              f"peak GPU memory (all processes) {r['peak_gib']:5.1f} GiB")
+    d = results["dask-rl"]
+    print(f"  dask-rl cluster start (workers + models) {d['start_seconds']:.1f} s; first step "
+          f"(compiles the decode graph) {d['first_step_seconds']:.1f} s")
+    if "trl" in results:
+        t = results["trl"]
+        print(f"  ratio: dask-rl step {t['step_seconds'] / d['step_seconds']:.2f}x faster, "
+              f"memory {d['peak_gib'] / t['peak_gib']:.2f}x TRL's")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

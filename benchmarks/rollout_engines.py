@@ -1,0 +1,118 @@
+"""Rollout engines alone on one GPU: dask-rl's cuda_graph engine against transformers'
+`generate` with its compiled static cache, on the Qwen2-0.5B shape (random bf16 weights),
+prompts of 128 tokens, 256 new tokens, sampling at temperature 1; plus how far the engine's
+logprobs are from the actor's training forward on the same tokens.
+
+    python benchmarks/rollout_engines.py --batches 64 256
+
+Prints one line per engine and batch: seconds, completion tokens/s, ms per decode step,
+peak GPU memory of this process. EOS is disabled for the timing (a random model would end
+sequences at random), so every row generates exactly --new-tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import save_qwen2_05b  # noqa: E402
+
+from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
+from pipeline.models import load_causal_lm  # noqa: E402
+from pipeline.records import GenerationRequest  # noqa: E402
+from pipeline.roles.forward import response_logprobs  # noqa: E402
+
+NO_EOS = -1  # an id no token has: nothing ends early
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up call (which compiles)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def request(batch: int, prompt: int, new: int, seed: int = 0) -> GenerationRequest:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(2, 151936, (batch, prompt), generator=generator).tolist()
+    return GenerationRequest(prompts, list(range(batch)), 1, new, 1.0, seed)
+
+
+def report(name: str, batch: int, seconds: float, new: int) -> None:
+    tokens = batch * new
+    print(f"{name:<34} batch {batch:>4}: {seconds:6.2f} s  {tokens / seconds:>9,.0f} tokens/s  "
+          f"{1000 * seconds / new:5.2f} ms/step  peak {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB",
+          flush=True)
+
+
+def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None:
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=NO_EOS, device="cuda", max_batch_size=batch)
+    req = request(batch, prompt, new)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    engine.generate(req, 0)
+    print(f"cuda_graph first call (compiles) batch {batch}: {time.perf_counter() - start:.1f} s", flush=True)
+    report("dask-rl cuda_graph engine", batch, timed(lambda: engine.generate(req, 0), repeats), new)
+
+
+def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:
+    ids = torch.tensor(request(batch, prompt, new).prompt_ids, device="cuda")
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                  top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                  cache_implementation="static")
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model.generate(**kwargs)
+    print(f"generate static first call (compiles) batch {batch}: {time.perf_counter() - start:.1f} s", flush=True)
+    report("transformers generate, static+compile", batch, timed(lambda: model.generate(**kwargs), repeats), new)
+
+
+def logprob_agreement(model, batch: int = 64, prompt: int = 128, new: int = 256) -> None:
+    """The engine's behaviour logprobs against the actor's training forward (bf16, one pass)."""
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda")
+    rollout = engine.generate(request(batch, prompt, new, seed=1), 0)
+    with torch.no_grad():
+        actor = torch.cat([response_logprobs(model, rollout.input_ids[r].cuda(), rollout.attention_mask[r].cuda(),
+                                             rollout.prompt_length, 1.0).float().cpu()
+                           for r in (slice(0, batch // 2), slice(batch // 2, batch))])
+    mask = rollout.response_mask.bool()
+    diff = (rollout.behavior_logprobs - actor)[mask].abs()
+    ratio = (rollout.behavior_logprobs - actor)[mask].exp()
+    print(f"logprobs vs actor forward (bf16, {int(mask.sum())} tokens): mean |diff| {diff.mean():.4f}, "
+          f"max {diff.max():.4f}; ratio exp(diff) mean {ratio.mean():.4f}", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-generate", action="store_true", help="time the cuda_graph engine only")
+    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
+    args = parser.parse_args(argv)
+    model = load_causal_lm(save_qwen2_05b(args.model_dir), device="cuda", dtype=torch.bfloat16).eval()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for batch in args.batches:
+        bench_engine(model, batch, args.prompt, args.new_tokens, args.repeats)
+    logprob_agreement(model)
+    if not args.skip_generate:
+        for batch in args.batches:
+            bench_generate(model, batch, args.prompt, args.new_tokens, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The model shape the GPU benchmarks use: Qwen2-0.5B's config with random weights (no hub),
+saved with a word-level tokenizer that covers its whole 151 936-token vocabulary, so a
+random policy's samples decode to text ("w123 w77 ...") and prompts of N words are N tokens."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VOCAB = 151936
+
+
+def qwen2_05b_config(layers: int = 24):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1_000_000.0, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+                       bos_token_id=1)
+
+
+def word_tokenizer():
+    """<pad>=0, <eos>=1, then one token per word "w2" .. "w151935", split on whitespace."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def save_qwen2_05b(directory: str | os.PathLike, *, seed: int = 0, layers: int = 24) -> Path:
+    """Write the random bf16 model and its tokenizer to `directory`. Built on the CPU: a
+    benchmark's driver process must not hold a CUDA context of its own."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    path = Path(directory)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(qwen2_05b_config(layers)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path
+
+
+def word_prompts(count: int, words: int, seed: int = 0) -> list[str]:
+    """`count` prompts of exactly `words` tokens each."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(words)) for _ in range(count)]
