@@ -13,7 +13,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from resources.config import ResourceConfig, _read_yaml, parse_resource_config
+from resources.config import ResourceConfig
+from resources.validate import parse_resource_config
+from resources.yaml_reader import read_yaml
 
 
 class TrainConfigError(ValueError):
@@ -122,7 +124,7 @@ def load_run_file(path: str | os.PathLike) -> RunFile:
     if not path.exists():
         raise FileNotFoundError(f"run file {path} does not exist")
     # The resource parser's strict reader: a key written twice is an error, not "last wins".
-    data = _read_yaml(path, str(path)) or {}
+    data = read_yaml(path, str(path)) or {}
     resources = parse_resource_config(data, source=str(path))
     section = data.get("train") or {}
     if not isinstance(section, Mapping):
