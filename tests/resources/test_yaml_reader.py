@@ -21,19 +21,27 @@ def billion_laughs(levels: int, fan_out: int) -> str:
 
 
 HOSTILE = {
-    "billion laughs": (billion_laughs(10, 9),  # 9**10 = 3.5e9 values from a 500-byte file
-                       [f"line 6, column 5: anchors and aliases expand to more than {MAX_VALUES} values",
+    # 9**10 = 3.5e9 values from a 500-byte file. l0 holds 10 values, l_i = 1 + 9 * l_(i-1):
+    # 91, 820, 7381, then l4 on line 5 is 66430 > MAX_VALUES (column 5: its anchor).
+    "billion laughs": (billion_laughs(10, 9),
+                       [f"line 5, column 5: anchors and aliases expand to more than {MAX_VALUES} values",
                         "Fix: write the values out"]),
     "binary alias bomb": (billion_laughs(40, 2), ["expand to more than", "Fix: write the values out"]),
-    # The mapping is level 1, so the 32nd "[" (column 7 + 32) would be level 33.
+    # The scanner, reading ahead, meets the 33rd "[" (column 7 + 33) before the composer
+    # builds level 33 (the mapping is level 1); it refuses at once, not 1024 characters on.
     "deep flow nesting": ("actor: " + "[" * 100_000 + "]" * 100_000 + "\n",
-                          [f"line 1, column 39: nested deeper than {MAX_DEPTH} levels",
+                          [f"line 1, column 40: nested deeper than {MAX_DEPTH} levels",
                            "Fix: flatten the file"]),
     "deep block nesting": ("".join("  " * i + f"k{i}:\n" for i in range(300)) + "  " * 300 + "x: 1\n",
                            [f"nested deeper than {MAX_DEPTH} levels"]),
     "deep through aliases": ("b0: &b0 {x: 1}\n" + "".join(f"b{i}: &b{i} {{<<: *b{i - 1}}}\n"
                                                           for i in range(1, 60)),
                              [f"expand to deeper than {MAX_DEPTH} levels"]),
+    # The mapping, its key and the list are 3 values, so item k is value 3 + k: item
+    # MAX_VALUES - 2 is one too many. Item k sits at column 7 + 2k.
+    "half a million values": ("actor: [" + ",".join(["1"] * 500_000) + "]\n",
+                              [f"line 1, column {7 + 2 * (MAX_VALUES - 2)}: more than {MAX_VALUES} values",
+                               "Fix: move long lists (such as prompts) into a file of their own"]),
     "recursive alias": ("actor: &a [1, *a]\n", ["line 1, column 8: an alias refers to the value "
                                                 "that contains it", "Fix: point each alias"]),
     "not utf-8": (b"actor: {device_type: cpu}\nreward: caf\xe9\n",
