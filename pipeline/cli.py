@@ -138,10 +138,11 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     import tempfile
 
     from pipeline.config import TrainConfigError, load_run_file, make_train_config
+    from pipeline.data import read_prompts
     from pipeline.models import create_tiny_model
     from pipeline.rewards import resolve_reward_function
     from pipeline.trainer import HybridTrainer
-    from resources.config import ResourceConfigError
+    from resources.config import ResourceConfigError, shorten
 
     # A bad file is the user's to fix: one line naming the key and the fix, no traceback.
     try:
@@ -159,9 +160,11 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
         prompts = inputs.get("prompts")
         if prompts is None:
             raise TrainConfigError(f"{path}: train: no prompts. Fix: set prompts to a .jsonl/.parquet path.")
-        if isinstance(prompts, str) and not Path(prompts).exists():
-            raise TrainConfigError(f"{path}: train.prompts: {prompts!r} does not exist. Fix: give a path "
-                                   f"relative to the run file or an absolute one.")
+        if isinstance(prompts, str) and not Path(prompts).is_file():
+            raise TrainConfigError(f"{path}: train.prompts: {shorten(repr(prompts))} does not exist. Fix: give a "
+                                   f"path relative to the run file or an absolute one.")
+        # Read now, not in the trainer: a bad line or a missing column is one line, before anything starts.
+        prompts = read_prompts(prompts, run.train.prompt_column)
     except (ResourceConfigError, TrainConfigError, FileNotFoundError, ValueError, ImportError) as error:
         print(f"dask-rl: {error}", file=sys.stderr)
         return 2

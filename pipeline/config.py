@@ -1,19 +1,23 @@
 """The training section of a run file (`train:`) and the run file as a whole.
 
-The resource part of the file is validated by `resources.config`; this module reads the
-`train:` section into a strict, typed `TrainConfig` (unknown keys and wrong types are
-errors that name the key and the fix) plus the run's inputs (models, reward, prompts).
+The resource part of the file is validated by `resources.validate`; this module reads the
+`train:` section into a strict, typed `TrainConfig` (unknown keys, wrong types, non-finite
+and out-of-range numbers are errors that name the key, the value and the fix) plus the
+run's inputs (models, reward, prompts).
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from resources.config import ResourceConfig, _read_yaml, parse_resource_config
+from resources.config import ResourceConfig, shorten
+from resources.validate import parse_resource_config
+from resources.yaml_reader import read_yaml
 
 
 class TrainConfigError(ValueError):
@@ -53,26 +57,75 @@ class TrainConfig:
     weight_sync: str = "auto"
 
     def __post_init__(self):
+        for f in fields(self):  # types first, so that the range checks below can compare
+            _check_number(f.name, getattr(self, f.name), f.type)
+        rows = self.samples_per_step
         checks = {
             "algorithm": (self.algorithm in ("ppo", "grpo"), "use ppo or grpo"),
             "steps": (self.steps >= 1, "use a positive number"),
             "prompts_per_step": (self.prompts_per_step >= 1, "use a positive number"),
             "samples_per_prompt": (self.samples_per_prompt >= (2 if self.algorithm == "grpo" else 1),
                                    "GRPO compares responses to one prompt: use 2 or more"),
-            "max_staleness": (self.max_staleness >= 0, "use 0 (on-policy) or a positive number of versions"),
+            "max_new_tokens": (self.max_new_tokens >= 1, "use a positive number of tokens"),
+            # logits are divided by it: 0 divides by zero, < 0 samples the least likely token.
+            "temperature": (self.temperature > 0, "use a temperature > 0 (1.0 samples the model as is)"),
+            "actor_lr": (self.actor_lr > 0, "use a learning rate > 0, e.g. 1.0e-5"),
+            "critic_lr": (self.critic_lr > 0, "use a learning rate > 0, e.g. 1.0e-5"),
+            "kl_coef": (self.kl_coef >= 0, "use 0 (no KL term) or a positive weight, e.g. 0.05"),
+            "clip_ratio": (self.clip_ratio > 0, "use a ratio > 0, e.g. 0.2"),
+            "value_clip": (self.value_clip > 0, "use a range > 0, e.g. 0.2"),
+            "gamma": (0 <= self.gamma <= 1, "use a discount from 0 to 1, e.g. 1.0"),
+            "lam": (0 <= self.lam <= 1, "use a GAE lambda from 0 to 1, e.g. 0.95"),
+            "ppo_epochs": (self.ppo_epochs >= 1, "use 1 or more passes over each batch"),
+            # A mini-batch with no rows would be an optimizer step on nothing.
+            "mini_batches": (1 <= self.mini_batches <= rows,
+                             f"use 1 to {rows} (prompts_per_step x samples_per_prompt rows per step)"),
             "micro_batch_size": (self.micro_batch_size >= 1, "use a positive number"),
-            "mini_batches": (self.mini_batches >= 1, "use a positive number"),
+            # An on-policy token has weight 1: a cap below 1 would shrink every update.
+            "is_cap": (self.is_cap >= 1, "use 1 or more, e.g. 2.0"),
+            "max_staleness": (self.max_staleness >= 0, "use 0 (on-policy) or a positive number of versions"),
+            "grad_clip": (self.grad_clip > 0, "use a gradient-norm limit > 0, e.g. 1.0"),
+            # Per-rollout sampling seeds are derived from it and must fit torch's 64 bits.
+            "seed": (0 <= self.seed < 2**32, "use a seed from 0 to 4294967295"),
+            "prompt_column": (self.prompt_column != "", "name the column that holds the prompts"),
             "dtype": (self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16"),
             "weight_sync": (self.weight_sync in ("auto", "shm", "cuda_ipc", "broadcast", "dask"),
                             "use auto, shm, cuda_ipc, broadcast or dask"),
         }
         for key, (ok, fix) in checks.items():
             if not ok:
-                raise TrainConfigError(f"train.{key}: {getattr(self, key)!r} is not allowed. Fix: {fix}.")
+                raise TrainConfigError(f"train.{key}: {_shown(getattr(self, key))} is not allowed. Fix: {fix}.")
 
     @property
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error message echoes it: its repr, cut short."""
+    try:
+        return shorten(repr(value))
+    except ValueError:  # an int past Python's 4300-digit repr limit
+        return f"<an integer of {value.bit_length()} bits>"
+
+
+def _check_number(key: str, value: Any, type_name: str) -> None:
+    """A float field must hold a finite number (nan passes no range check, so it would slip
+    through and poison every loss); an int field an int. TrainConfig(...) built in Python
+    skips make_train_config's type check, so it is repeated here."""
+    if type_name not in ("int", "float"):
+        return
+    default = TrainConfig.__dataclass_fields__[key].default
+    if isinstance(value, bool) or not isinstance(value, int if type_name == "int" else (int, float)):
+        raise TrainConfigError(f"train.{key}: {_shown(value)} is not allowed. "
+                               f"Fix: use {'an integer' if type_name == 'int' else 'a number'}, e.g. {default!r}.")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise TrainConfigError(f"train.{key}: {_shown(value)} is not allowed. Fix: use a finite number, "
+                               f"e.g. {default!r}.")
 
 
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -87,9 +140,9 @@ def make_train_config(values: Mapping[str, Any], *, source: str = "trainer argum
     checked = {}
     for key, value in values.items():
         if key not in TRAIN_FIELDS:
-            close = difflib.get_close_matches(key, list(TRAIN_FIELDS) + list(INPUT_KEYS), n=1)
+            close = difflib.get_close_matches(shorten(str(key)), list(TRAIN_FIELDS) + list(INPUT_KEYS), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise TrainConfigError(f"{source}: unknown training key {key!r}.{hint} "
+            raise TrainConfigError(f"{source}: unknown training key {_shown(key)}.{hint} "
                                    f"Fix: use one of {', '.join(TRAIN_FIELDS)}.")
         checked[key] = _coerce(key, value, TRAIN_FIELDS[key].type, source)
     try:
@@ -102,9 +155,15 @@ def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
     expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
     if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
         article = "an" if type_name == "int" else "a"
-        raise TrainConfigError(f"{source}: train.{key}: {value!r} should be {article} {type_name}. "
+        raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should be {article} {type_name}. "
                                f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}.")
-    return float(value) if type_name == "float" else value
+    if type_name == "float":
+        try:
+            return float(value)
+        except OverflowError:  # an int of hundreds of digits: no float holds it
+            raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} is too large for a float. "
+                                   f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}.") from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -122,17 +181,24 @@ def load_run_file(path: str | os.PathLike) -> RunFile:
     if not path.exists():
         raise FileNotFoundError(f"run file {path} does not exist")
     # The resource parser's strict reader: a key written twice is an error, not "last wins".
-    data = _read_yaml(path, str(path)) or {}
+    data = read_yaml(path, str(path)) or {}
     resources = parse_resource_config(data, source=str(path))
     section = data.get("train") or {}
     if not isinstance(section, Mapping):
-        raise TrainConfigError(f"{path}: train: {section!r} is not a mapping. "
+        raise TrainConfigError(f"{path}: train: {_shown(section)} is not a mapping. "
                                f"Fix: write the training keys under it, e.g. train: {{steps: 20}}.")
     section = dict(section)
     inputs = {key: section.pop(key) for key in INPUT_KEYS if key in section}
     for key in ("prompts", "output_dir", "actor_model", "reward_model", "critic_model", "reference_model"):
         value = inputs.get(key)
         # Relative paths in a run file are relative to the file, like any include.
-        if isinstance(value, str) and value not in ("tiny",) and (path.parent / value).exists():
+        if isinstance(value, str) and value not in ("tiny",) and _exists(path.parent / value):
             inputs[key] = str((path.parent / value).resolve())
     return RunFile(resources, make_train_config(section, source=f"{path}: train"), inputs)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long for the OS, or with a NUL byte: not a file
+        return False

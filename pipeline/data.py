@@ -9,6 +9,19 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
+from resources.config import shorten
+
+FIX_COLUMN = "set prompt_column to the field that holds the prompt text"
+
+
+class PromptColumnError(KeyError, ValueError):
+    """A prompt source without the prompt column. A KeyError (a key is missing, as before)
+    and a ValueError (bad input: the CLI reports it in one line, no traceback)."""
+
+    def __str__(self) -> str:  # KeyError's str() quotes its message; this reads as written
+        return str(self.args[0]) if self.args else ""
+
+
 def read_prompts(source: Any, column: str = "prompt") -> list[str]:
     """All prompt texts of `source`.
 
@@ -21,26 +34,63 @@ def read_prompts(source: Any, column: str = "prompt") -> list[str]:
         return [_text(item, column, f"prompt {i}") for i, item in enumerate(source)]
     if hasattr(source, "column_names"):  # datasets.Dataset
         if column not in source.column_names:
-            raise KeyError(f"the dataset has no column {column!r} (it has {source.column_names}); "
-                           f"set prompt_column to the column that holds the prompts")
+            raise PromptColumnError(f"the dataset has no column {column!r} (it has {source.column_names}). "
+                                    f"Fix: {FIX_COLUMN}.")
         return [str(text) for text in source[column]]
     raise TypeError(f"prompts must be a list, a .jsonl/.parquet path or a datasets.Dataset, not {type(source).__name__}")
 
 
 def _read_file(path: Path, column: str) -> list[str]:
-    if not path.exists():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist. Fix: check the path (in a run file it "
+                                f"is relative to the run file).")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        texts = _read_parquet(path, column)
+    elif path.suffix in (".jsonl", ".json"):
+        texts = _read_jsonl(path, column)
+    else:
+        raise ValueError(f"{path}: unknown prompt file type {path.suffix!r}. Fix: use .jsonl or .parquet.")
+    if not texts:
+        raise ValueError(f"{path}: the file holds no prompts. Fix: add one row per prompt.")
+    return texts
 
+
+def _read_parquet(path: Path, column: str) -> list[str]:
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
         table = pq.read_table(path)
-        if column not in table.column_names:
-            raise KeyError(f"{path} has no column {column!r} (it has {table.column_names}); set prompt_column")
-        return [str(text) for text in table.column(column).to_pylist()]
-    if path.suffix in (".jsonl", ".json"):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [_text(row, column, f"{path} line {i + 1}") for i, row in enumerate(rows)]
-    raise ValueError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
+    except (pyarrow.ArrowException, OSError) as exc:
+        raise ValueError(f"{path}: not a readable Parquet file ({shorten(str(exc))}). "
+                         f"Fix: check the path, or write the file again.") from None
+    if column not in table.column_names:
+        raise PromptColumnError(f"{path} has no column {column!r} (it has {shorten(str(table.column_names))}). "
+                                f"Fix: {FIX_COLUMN}.")
+    return [str(text) for text in table.column(column).to_pylist()]
+
+
+def _read_jsonl(path: Path, column: str) -> list[str]:
+    texts = []
+    with path.open("rb") as file:  # line by line: one bad line is named, and a big file streams
+        for number, raw in enumerate(file, start=1):
+            if raw.strip():
+                where = f"{path} line {number}"
+                texts.append(_text(_parse_line(raw, where, column), column, where))
+    return texts
+
+
+def _parse_line(raw: bytes, where: str, column: str) -> Any:
+    fix = f'Fix: write one JSON object per line, e.g. {{"{column}": "..."}}.'
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}). "
+                         f"Fix: save the file as UTF-8.") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno}). {fix}") from None
+    except RecursionError:  # json nests by recursion: [[[[... thousands deep
+        raise ValueError(f"{where}: JSON nested too deeply. {fix}") from None
 
 
 def _text(item: Any, column: str, where: str) -> str:
@@ -48,7 +98,8 @@ def _text(item: Any, column: str, where: str) -> str:
         return item
     if isinstance(item, dict) and column in item:
         return str(item[column])
-    raise KeyError(f"{where}: no {column!r} field in {item!r}; set prompt_column to the field holding the prompt")
+    found = f"its fields are {shorten(str(list(item)))}" if isinstance(item, dict) else f"it is {shorten(repr(item))}"
+    raise PromptColumnError(f"{where}: no {column!r} field ({found}). Fix: {FIX_COLUMN}.")
 
 
 class PromptStream:

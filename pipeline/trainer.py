@@ -34,6 +34,7 @@ from resources.adaptive import Decision, RoleAdaptive
 from resources.cluster import RoleCluster
 from resources.config import ResourceConfig
 from resources.plan import plan_workers
+from resources.validate import with_role
 
 logger = logging.getLogger("dask_rl")
 
@@ -203,7 +204,7 @@ class HybridTrainer:
     def _new_config(self, request: elastic.BoundaryRequest) -> ResourceConfig:
         spec = elastic.requested_spec(self.resources, request.component, request.device_ids, request.strategy,
                                       request.workers, request.device_type)
-        return self.resources.with_role(spec)
+        return with_role(self.resources, spec)
 
     def _apply_boundary_changes(self) -> None:
         while not self._boundary.empty():

@@ -1,29 +1,24 @@
-"""The resource file: which role runs on which devices, validated once and strictly.
+"""The resource file's types: which role runs on which devices.
 
-The file is the contract between the user and the cluster (DESIGN.md). Every bad file gets
-one ResourceConfigError naming the file, the key path, the value and the fix, raised before
+The file is the contract between the user and the cluster. Every bad file gets one
+ResourceConfigError naming the file, the key path, the value and the fix, raised before
 anything starts: a typo found after a model has loaded on four GPUs costs minutes.
 
-This module holds the types (RoleSpec, ResourceConfig, AdaptiveBounds, FrozenMap,
-ResourceConfigError), the file's constants, the YAML reader and the public load/parse
-functions; the validation pass itself (`_Parser`) lives in resources.validate, which imports
-these types, so it is imported here inside the functions that use it.
+This module holds only the types (RoleSpec, ResourceConfig, AdaptiveBounds, FrozenMap,
+ResourceConfigError) and the file's constants. Imports run one way: resources.yaml_reader
+reads the file, resources.validate parses it into these types (load_resource_config,
+parse_resource_config, with_role); neither is imported here.
 """
 
 from __future__ import annotations
 
-import os
+import difflib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from resources.devices import GpuInfo
-
 __all__ = ["ROLES", "STRATEGIES", "AdaptiveBounds", "ResourceConfig", "ResourceConfigError",
-           "RoleSpec", "load_resource_config", "parse_resource_config"]
+           "RoleSpec", "shorten"]
 
 ROLES = ("actor", "critic", "reference", "reward", "rollout")
 REQUIRED_ROLES = ("actor", "reward", "rollout")
@@ -41,12 +36,29 @@ ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args")
 TOP_KEYS = ROLES + ("comm_backend", "timeout_seconds", "allow_shared_devices",
                     "allow_busy_devices", "adaptive", "train")
 _TRAINED_ROLES = ("actor", "critic")  # the roles that form a torch.distributed group
+# How much of a user's value an error message echoes: a 1 MiB string or a whole file
+# pasted as a key must not flood the terminal or a log line.
+ECHO_LIMIT = 100
+
+
+def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text` on one line, cut to `limit` characters with "..." when longer."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def did_you_mean(word: object, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(shorten(str(word)), options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class ResourceConfigError(ValueError):
     """One problem in a resource file: `file: key.path: value: problem. Fix: ...`."""
 
     def __init__(self, source: str, path: str, value: str | None, problem: str, fix: str):
+        # path and value come from the file (a key, a value): bounded, so one line stays short.
+        path, value = shorten(path), None if value is None else shorten(value)
+        problem = shorten(problem, 3 * ECHO_LIMIT)
         self.source, self.path, self.value = source, path, value
         self.problem, self.fix = problem, fix
         head = ": ".join(p for p in (source, path, value) if p)
@@ -110,8 +122,8 @@ class ResourceConfig:
 
     def role(self, name: str) -> RoleSpec:
         if name not in self.roles:
-            from resources.validate import _did_you_mean  # validate imports this module
-            raise KeyError(f"unknown role {name!r}{_did_you_mean(name, ROLES)}; roles: {ROLES}")
+            shown = shorten(repr(name))
+            raise KeyError(f"unknown role {shown}{did_you_mean(name, ROLES)}; roles: {ROLES}")
         return self.roles[name]
 
     @property
@@ -133,7 +145,7 @@ class ResourceConfig:
         """A resource-file mapping that parses back to an equal config (defaulted roles left
         out, so that they keep following the actor)."""
         data: dict[str, Any] = {
-            role: _role_dict(spec) for role, spec in self.roles.items() if not spec.placed_with}
+            role: role_dict(spec) for role, spec in self.roles.items() if not spec.placed_with}
         data.update(comm_backend=self.comm_backend, timeout_seconds=self.timeout_seconds,
                     allow_shared_devices=self.allow_shared_devices,
                     allow_busy_devices=self.allow_busy_devices)
@@ -142,18 +154,8 @@ class ResourceConfig:
                                 for role, b in self.adaptive.items()}
         return data
 
-    def with_role(self, spec: RoleSpec, *, gpus: Sequence[GpuInfo] | None = None
-                  ) -> ResourceConfig:
-        """A copy with one role replaced, validated like a fresh file. GPUs this config
-        already uses skip the busy check (our own workers make them busy); replacing the
-        actor moves defaulted critic/reference with it."""
-        data = self.to_dict()
-        data[spec.role] = _role_dict(spec)
-        from resources.validate import _Parser  # validate imports this module
-        return _Parser(self.source, gpus, owned=set(self.gpu_ids)).parse(data)
 
-
-def _role_dict(spec: RoleSpec) -> dict[str, Any]:
+def role_dict(spec: RoleSpec) -> dict[str, Any]:
     data: dict[str, Any] = {"device_type": spec.device_type,
                             "device_ids": list(spec.device_ids), "strategy": spec.strategy}
     if spec.device_type == "cpu":
@@ -161,52 +163,3 @@ def _role_dict(spec: RoleSpec) -> dict[str, Any]:
     if spec.vllm_args:
         data["vllm_args"] = spec.vllm_kwargs
     return data
-
-
-def load_resource_config(source: str | os.PathLike | Mapping, *,
-                         gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
-    """Read and validate a resource file or mapping; `gpus` replaces the NVML probe."""
-    if isinstance(source, Mapping):
-        return parse_resource_config(source, gpus=gpus)
-    name = os.fspath(source)
-    return parse_resource_config(_read_yaml(Path(name), name), source=name, gpus=gpus)
-
-
-def parse_resource_config(data: Mapping, *, source: str = "<dict>",
-                          gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
-    from resources.validate import _Parser  # validate imports this module
-    return _Parser(source, gpus, owned=set()).parse(data)
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys; plain YAML silently keeps the last one."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *base` may be overridden by later keys on purpose
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, (str, int, float)):
-                continue  # an unhashable key: SafeLoader reports it itself
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _read_yaml(path: Path, name: str) -> Any:
-    if not path.is_file():
-        problem = "is a directory" if path.is_dir() else "file not found"
-        raise ResourceConfigError(name, "", None, problem, f"check the path ({path.resolve()})")
-    try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        fix = ("write each key once" if problem.startswith("duplicate key") else
-               "correct the YAML there (indentation, a missing ':' or an unclosed bracket)")
-        problem = f"invalid YAML ({problem})"
-        raise ResourceConfigError(name, where, None, problem, fix) from None

@@ -1,42 +1,82 @@
-"""Validation of a resource file: `_Parser` turns the mapping read from the file into a
+"""Parsing a resource file: `_Parser` turns the mapping read from the file into a
 ResourceConfig, or raises the one ResourceConfigError that names the file, the key path, the
-value and the fix; with the helpers only it uses (value formatting, did-you-mean).
+value and the fix. The public entry points live here too: load_resource_config (a path or a
+mapping), parse_resource_config (a mapping) and with_role (a copy with one role changed).
 
-resources.config holds the types and the public load/parse functions, and imports this
-module inside its functions: this one imports config's types at import time.
+Imports run one way: this module imports resources.config (the types) and
+resources.yaml_reader (the defensive file reader); neither imports it back.
 """
 
 from __future__ import annotations
 
-import difflib
+import itertools
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from resources import devices
 from resources.config import (
     _TRAINED_ROLES, COMM_BACKENDS, DEVICE_TYPES, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
     TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
+    ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
 from resources.devices import GpuInfo
+from resources.yaml_reader import read_yaml
+
+__all__ = ["load_resource_config", "parse_resource_config", "with_role"]
 
 _MISSING: Any = object()
 
 
-def _show(value: Any) -> str:
-    """A value as the user wrote it in YAML, so the message matches the file."""
+def load_resource_config(source: str | os.PathLike | Mapping, *,
+                         gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
+    """Read and validate a resource file or mapping; `gpus` replaces the NVML probe."""
+    if isinstance(source, Mapping):
+        return parse_resource_config(source, gpus=gpus)
+    name = os.fspath(source)
+    return parse_resource_config(read_yaml(Path(name), name), source=name, gpus=gpus)
+
+
+def parse_resource_config(data: Mapping, *, source: str = "<dict>",
+                          gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
+    return _Parser(source, gpus, owned=set()).parse(data)
+
+
+def with_role(config: ResourceConfig, spec: RoleSpec, *,
+              gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
+    """A copy of `config` with one role replaced, validated like a fresh file. GPUs the
+    config already uses skip the busy check (our own workers make them busy); replacing
+    the actor moves defaulted critic/reference with it."""
+    data = config.to_dict()
+    data[spec.role] = role_dict(spec)
+    return _Parser(config.source, gpus, owned=set(config.gpu_ids)).parse(data)
+
+
+_SHOW_ITEMS, _SHOW_DEPTH = 8, 3  # beyond these a value is "...": the message stays one line
+
+
+def _show(value: Any, depth: int = 0) -> str:
+    """A value as the user wrote it in YAML, so the message matches the file; a huge or
+    deeply nested value is cut short, and costs no more to show than a small one."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if depth > _SHOW_DEPTH:
+        return "..."
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def _did_you_mean(word: object, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(str(word), options, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+        pairs = itertools.islice(value.items(), _SHOW_ITEMS)
+        shown = [f"{shorten(str(k))}: {_show(v, depth + 1)}" for k, v in pairs]
+        return shorten("{" + ", ".join(shown + ["..."] * (len(value) > _SHOW_ITEMS)) + "}")
+    if isinstance(value, (list, tuple)):
+        shown = [_show(v, depth + 1) for v in value[:_SHOW_ITEMS]]
+        return shorten("[" + ", ".join(shown + ["..."] * (len(value) > _SHOW_ITEMS)) + "]")
+    if isinstance(value, str):
+        return shorten(repr(value[:ECHO_LIMIT]))  # the repr of a prefix, not of 1 MiB
+    try:
+        return shorten(str(value))
+    except ValueError:  # an int past Python's 4300-digit str() limit
+        return f"<an integer of {value.bit_length()} bits>"
 
 
 def _is_int(value: Any) -> bool:
@@ -44,9 +84,14 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_positive_number(value: Any) -> bool:
-    # inf is rejected too: a timeout of inf is a silent hang, which DESIGN.md rules out.
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
+    # inf is refused too (a timeout of inf is a silent hang), and nan (every comparison
+    # with it is false, so a nan timeout never fires either).
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int too large for a float: no sensible number of seconds
+        return False
 
 
 def _example_ids(ids: Sequence[int]) -> list[int]:
@@ -93,7 +138,7 @@ class _Parser:
             comm_backend=self.scalar(data, "comm_backend", "auto", COMM_BACKENDS.__contains__,
                                      "not a backend", "use nccl, gloo or auto"),
             timeout_seconds=float(self.scalar(data, "timeout_seconds", 180.0, _is_positive_number,
-                                              "expected a number of seconds > 0",
+                                              "expected a number of seconds > 0, not inf or nan",
                                               "use e.g. timeout_seconds: 180")),
             allow_shared_devices=self.flag(data, "allow_shared_devices"),
             allow_busy_devices=self.flag(data, "allow_busy_devices"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from resources.config import load_resource_config
+from resources import load_resource_config
 
 # Two rollout and two actor workers, so sharding and the 2-rank process group are exercised.
 SHARED_LAYOUT = {

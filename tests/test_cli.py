@@ -53,6 +53,19 @@ def test_a_missing_prompt_file_exits_2_naming_it(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_malformed_prompt_line_exits_2_naming_the_file_and_line(tmp_path):
+    prompts = tmp_path / "quickstart_prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(QUICKSTART.read_text())  # its prompts are the bad file beside it
+    result = dask_rl("run", str(run_file), "--output-dir", str(tmp_path / "out"), timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{prompts} line 2: not valid JSON" in lines[0] and "Fix: write one JSON object per line" in lines[0]
+    assert not (tmp_path / "out").exists()  # failed before anything started
+
+
 @pytest.mark.slow
 def test_quickstart_learns_to_answer_with_digits(tmp_path):
     steps = 40  # examples/quickstart.yaml: train.steps

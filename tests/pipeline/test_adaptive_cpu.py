@@ -14,7 +14,8 @@ from conftest import role_cluster
 from pipeline.rewards import digit_fraction
 from pipeline.trainer import HybridTrainer
 from resources.adaptive import Thresholds
-from resources.config import AdaptiveBounds, load_resource_config
+from resources import load_resource_config
+from resources.config import AdaptiveBounds
 
 BOUNDS = {"rollout": {"min": 1, "max": 2}, "reward": {"min": 1, "max": 2}}
 LAYOUT = {

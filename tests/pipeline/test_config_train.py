@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -69,10 +71,83 @@ def test_grpo_needs_at_least_two_samples_per_prompt():
 @pytest.mark.parametrize("values, key", [
     ({"algorithm": "dpo"}, "algorithm"), ({"steps": 0}, "steps"), ({"max_staleness": -1}, "max_staleness"),
     ({"dtype": "fp8"}, "dtype"), ({"micro_batch_size": 0}, "micro_batch_size"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": 0}, "temperature"),
+    ({"temperature": -1.0}, "temperature"), ({"actor_lr": 0}, "actor_lr"), ({"critic_lr": -1e-5}, "critic_lr"),
+    ({"kl_coef": -0.01}, "kl_coef"), ({"clip_ratio": 0}, "clip_ratio"), ({"value_clip": -0.2}, "value_clip"),
+    ({"gamma": 1.01}, "gamma"), ({"gamma": -0.1}, "gamma"), ({"lam": 1.5}, "lam"), ({"lam": -0.5}, "lam"),
+    ({"ppo_epochs": 0}, "ppo_epochs"), ({"mini_batches": 0}, "mini_batches"), ({"is_cap": 0.5}, "is_cap"),
+    ({"grad_clip": 0}, "grad_clip"), ({"seed": -1}, "seed"), ({"seed": 2**32}, "seed"),
+    ({"prompt_column": ""}, "prompt_column"),
+    # 2 prompts x 1 sample = 2 rows: a third mini-batch would have none.
+    ({"prompts_per_step": 2, "mini_batches": 3}, "mini_batches"),
 ])
 def test_out_of_range_values_are_rejected(values, key):
     with pytest.raises(TrainConfigError, match=f"train.{key}: .* is not allowed. Fix: "):
         make_train_config(values)
+
+
+@pytest.mark.parametrize("values", [
+    {"gamma": 0}, {"gamma": 1}, {"lam": 0}, {"lam": 1}, {"kl_coef": 0}, {"is_cap": 1}, {"seed": 0},
+    {"seed": 2**32 - 1}, {"prompts_per_step": 2, "samples_per_prompt": 2, "mini_batches": 4},
+    {"temperature": 1e-3}, {"clip_ratio": 1e-9},
+])
+def test_values_on_the_edge_of_each_range_are_accepted(values):
+    config = make_train_config(values)
+    assert all(getattr(config, key) == value for key, value in values.items())
+
+
+def test_a_range_error_names_the_key_the_value_and_the_fix():
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"lam": 1.5}, source="run.yaml: train")
+    assert str(error.value) == ("run.yaml: train: train.lam: 1.5 is not allowed. "
+                                "Fix: use a GAE lambda from 0 to 1, e.g. 0.95.")
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"is_cap": 0.5})
+    assert str(error.value).endswith("train.is_cap: 0.5 is not allowed. Fix: use 1 or more, e.g. 2.0.")
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"prompts_per_step": 2, "mini_batches": 3})
+    assert "train.mini_batches: 3 is not allowed. Fix: use 1 to 2 (prompts_per_step" in str(error.value)
+
+
+FLOAT_KEYS = [f.name for f in fields(TrainConfig) if f.type == "float"]
+
+
+@pytest.mark.parametrize("value, shown", [(float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "-inf")])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_must_be_finite(key, value, shown):
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({key: value})
+    default = getattr(TrainConfig(), key)
+    assert str(error.value).endswith(f"train.{key}: {shown} is not allowed. "
+                                     f"Fix: use a finite number, e.g. {default!r}.")
+
+
+def test_float_keys_cover_the_numeric_hyperparameters():
+    assert set(FLOAT_KEYS) == {"temperature", "actor_lr", "critic_lr", "kl_coef", "clip_ratio", "value_clip",
+                               "gamma", "lam", "is_cap", "grad_clip"}
+
+
+def test_an_int_too_large_for_a_float_is_an_error_not_an_overflow():
+    with pytest.raises(TrainConfigError, match=r"train.actor_lr: 1000.*\.\.\. is too large for a float"):
+        make_train_config({"actor_lr": 10**400})
+
+
+def test_a_config_built_in_python_is_checked_too():
+    with pytest.raises(TrainConfigError, match=r"train.steps: '5' is not allowed. Fix: use an integer, e.g. 20."):
+        TrainConfig(steps="5")
+    with pytest.raises(TrainConfigError, match="train.gamma: nan is not allowed"):
+        TrainConfig(gamma=float("nan"))
+
+
+def test_a_long_value_is_echoed_cut_short():
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"algorithm": "x" * 100_000})
+    message = str(error.value)
+    assert "train.algorithm: 'xxxx" in message
+    assert "... is not allowed. Fix: use ppo or grpo." in message and len(message) < 200
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"k" * 100_000: 1})
+    assert "unknown training key 'kkk" in str(error.value) and len(str(error.value)) < 600
 
 
 def test_the_quickstart_run_file():
@@ -145,3 +220,38 @@ def test_a_bad_resource_key_in_a_run_file_fails_before_the_train_section(tmp_pat
 def test_a_missing_run_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_run_file(tmp_path / "nope.yaml")
+
+
+def test_a_hostile_run_file_is_refused_fast(tmp_path):
+    lines = ["l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)]  # 9**10 values
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + "train:\n  steps: 5\n" + "\n".join(f"  {line}" for line in lines) + "\n")
+    start = time.perf_counter()
+    with pytest.raises(ResourceConfigError) as error:
+        load_run_file(path)
+    assert time.perf_counter() - start < 1.0
+    message = str(error.value)
+    assert message.startswith(f"{path}: line ") and "anchors and aliases expand to more than" in message
+    assert "Fix: write the values out" in message
+
+
+def test_a_run_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(RESOURCES.encode() + b"train: {prompt_column: \xff}\n")
+    with pytest.raises(ResourceConfigError, match=f"^{path}: line 4: not UTF-8 text .* Fix: save the file as UTF-8"):
+        load_run_file(path)
+
+
+def test_a_run_file_with_nan_names_the_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + "train: {steps: 2, actor_lr: .nan}\n")
+    with pytest.raises(TrainConfigError, match=rf"^{path}: train: train.actor_lr: nan is not allowed. "
+                                               r"Fix: use a finite number, e.g. 0.0001.$"):
+        load_run_file(path)
+
+
+def test_a_prompt_path_too_long_for_the_os_is_kept_as_written(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + f"train: {{steps: 2, prompts: {'p' * 5000}.jsonl}}\n")
+    assert load_run_file(path).inputs["prompts"] == "p" * 5000 + ".jsonl"

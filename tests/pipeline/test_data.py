@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.data import PromptStream, read_prompts
+from pipeline.data import PromptColumnError, PromptStream, read_prompts
 
 TEXTS = ["what is 1 plus 2? ", "what is 3 minus 1? ", "say 7: "]
 
@@ -66,9 +66,63 @@ def test_a_missing_column_names_the_column_and_prompt_column(kind, tmp_path):
     assert "'prompt'" in message and "prompt_column" in message
 
 
+def test_a_missing_column_in_a_file_names_the_file_the_column_and_the_fix(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"question": "b", "id": 2}\n')
+    with pytest.raises(PromptColumnError) as error:
+        read_prompts(path)
+    assert str(error.value) == (f"{path} line 2: no 'prompt' field (its fields are ['question', 'id']). "
+                                "Fix: set prompt_column to the field that holds the prompt text.")
+    assert isinstance(error.value, KeyError) and isinstance(error.value, ValueError)
+
+
+BAD_LINES = {
+    "not json": (b'{"prompt": "a"}\n{"prompt": "b",}\n',
+                 "line 2: not valid JSON (Expecting property name enclosed in double quotes, column 16). "
+                 'Fix: write one JSON object per line, e.g. {"prompt": "..."}.'),
+    "truncated": (b'{"prompt": "a"}\n\n{"prompt": "b', "line 3: not valid JSON (Unterminated string"),
+    "not utf-8": (b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n',
+                  "line 2: not UTF-8 text (byte 0xe9 at column 16). Fix: save the file as UTF-8."),
+    "deep nesting": (b"[" * 100_000 + b"\n", "line 1: JSON nested too deeply. Fix: write one JSON object"),
+    "a number": (b'{"prompt": "a"}\n42\n', "line 2: no 'prompt' field (it is 42). Fix: set prompt_column"),
+    "a json array file": (b'[{"prompt": "a"},\n {"prompt": "b"}]\n', "line 1: not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("content, expected", BAD_LINES.values(), ids=BAD_LINES.keys())
+def test_a_malformed_jsonl_line_names_the_file_and_the_line(tmp_path, content, expected):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as error:
+        read_prompts(path)
+    message = str(error.value)
+    assert message.startswith(f"{path} {expected}") and "\n" not in message and len(message) < 400
+
+
+def test_a_long_value_in_a_bad_line_is_cut_short(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(["x" * 100_000]) + "\n")
+    with pytest.raises(PromptColumnError) as error:
+        read_prompts(path)
+    # 100 characters of the repr: "['" and 95 x, then "...".
+    assert f"line 1: no 'prompt' field (it is ['{'x' * 95}...). Fix:" in str(error.value)
+
+
+def test_an_empty_or_corrupt_prompt_file_is_named(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'empty.jsonl'}: the file holds no prompts. Fix: "):
+        read_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "p.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'p.parquet'}: not a readable Parquet file .*Fix: "):
+        read_prompts(tmp_path / "p.parquet")
+
+
 def test_unknown_sources_are_rejected(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(FileNotFoundError, match=f"^prompt file {missing} does not exist. Fix: check the path"):
+        read_prompts(missing)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        read_prompts(tmp_path / "missing.jsonl")
+        read_prompts(tmp_path)  # a directory is no prompt file
     (tmp_path / "p.csv").write_text("prompt\nhi\n")
     with pytest.raises(ValueError, match=r"\.jsonl or \.parquet"):
         read_prompts(tmp_path / "p.csv")

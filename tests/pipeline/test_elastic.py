@@ -22,7 +22,7 @@ from pipeline.rewards import digit_fraction
 from pipeline.roles.host import worker_identity
 from pipeline.tasks import submit
 from pipeline.trainer import HybridTrainer
-from resources.config import ResourceConfigError, load_resource_config
+from resources import ResourceConfigError, load_resource_config
 
 LAYOUT = {
     "actor": {"device_type": "cpu", "workers": 2, "strategy": "ddp"},

@@ -9,7 +9,8 @@ import pytest
 
 from resources.adaptive import (Decision, Hysteresis, RoleAdaptive, RoleLoad, Thresholds, classify, decide,
                                 loads_between)
-from resources.config import AdaptiveBounds, load_resource_config
+from resources import load_resource_config
+from resources.config import AdaptiveBounds
 
 
 def load(role, workers, queued, busy, low=1, high=3, pool="cuda", window=10.0):

@@ -8,10 +8,8 @@ import pytest
 import yaml
 
 from resources import devices
-from resources.config import (
-    ROLES, AdaptiveBounds, ResourceConfigError, RoleSpec, load_resource_config,
-    parse_resource_config,
-)
+from resources.config import ROLES, AdaptiveBounds, ResourceConfigError, RoleSpec
+from resources.validate import load_resource_config, parse_resource_config, with_role
 from resources.devices import GpuInfo
 
 DESIGN_FILE = """\
@@ -133,26 +131,26 @@ def test_mapping_source_and_pickle():
 
 def test_with_role_revalidates():
     config = load_resource_config(DESIGN, gpus=GPUS)
-    wider = config.with_role(RoleSpec("reward", "cuda", (2, 4), 2, "data_parallel"), gpus=GPUS)
+    wider = with_role(config, RoleSpec("reward", "cuda", (2, 4), 2, "data_parallel"), gpus=GPUS)
     assert wider.role("reward").device_ids == (2, 4)
     assert wider.role("actor") == config.role("actor")
     taken = r"rollout.device_ids: \[2\]: GPU 2 is also used by reward"
     with pytest.raises(ResourceConfigError, match=taken):
-        config.with_role(RoleSpec("rollout", "cuda", (2,), 1, "hf"), gpus=GPUS)
+        with_role(config, RoleSpec("rollout", "cuda", (2,), 1, "hf"), gpus=GPUS)
     with pytest.raises(ResourceConfigError, match="reward.strategy: 'none'"):
-        config.with_role(RoleSpec("reward", "cuda", (2, 4), 2, "none"), gpus=GPUS)
+        with_role(config, RoleSpec("reward", "cuda", (2, 4), 2, "none"), gpus=GPUS)
 
 
 def test_with_role_moves_defaulted_roles_with_the_actor():
     config = load_resource_config(DESIGN, gpus=GPUS)
-    moved = config.with_role(RoleSpec("actor", "cuda", (0, 1, 4), 3, "fsdp"), gpus=GPUS)
+    moved = with_role(config, RoleSpec("actor", "cuda", (0, 1, 4), 3, "fsdp"), gpus=GPUS)
     assert moved.role("critic").device_ids == moved.role("reference").device_ids == (0, 1, 4)
 
 
 def test_with_role_does_not_count_our_own_gpus_as_busy():
     config = load_resource_config(DESIGN, gpus=GPUS)
     running = [GpuInfo(i, "H200", 100, 10, 90, 99, 1) for i in range(4)] + [idle(4)]
-    wider = config.with_role(RoleSpec("reward", "cuda", (2, 4), 2, "data_parallel"), gpus=running)
+    wider = with_role(config, RoleSpec("reward", "cuda", (2, 4), 2, "data_parallel"), gpus=running)
     assert wider.role("reward").device_ids == (2, 4)
 
 
@@ -259,6 +257,11 @@ BAD_FILES = {
                       "Fix: use e.g. timeout_seconds: 180."]),
     "timeout zero": (variant(("timeout_seconds", 0)), ["timeout_seconds: 0: expected a number"]),
     "timeout inf": (variant(("timeout_seconds", float("inf"))), ["timeout_seconds: inf:"]),
+    "timeout nan": (variant(("timeout_seconds", float("nan"))),
+                    ["timeout_seconds: nan: expected a number of seconds > 0, not inf or nan"]),
+    "timeout negative": (variant(("timeout_seconds", -5)), ["timeout_seconds: -5: expected"]),
+    "timeout 400 digits": (variant(("timeout_seconds", 10 ** 400)),  # overflows a float
+                           ["timeout_seconds: 1000000000", "...: expected a number"]),
     "backend": (variant(("comm_backend", "mpi")),
                 ["comm_backend: 'mpi': not a backend", "Fix: use nccl, gloo or auto."]),
     "nccl on cpu": (variant(("actor", CPU_ROLE)),
@@ -332,3 +335,18 @@ def test_error_is_a_value_error_and_pickles():
     assert (error.path, error.value, error.problem) == ("reward.device_ids", "[2, 2]",
                                                         "GPU 2 is listed twice")
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_imports_run_one_way():
+    """resources.config holds the types only: it imports neither the parser nor the reader,
+    which import it (no circle, no imports hidden inside functions)."""
+    import ast
+    from pathlib import Path
+
+    import resources.config
+
+    tree = ast.parse(Path(resources.config.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert not imported & {"resources.validate", "resources.yaml_reader", "resources"}

@@ -9,9 +9,12 @@ import yaml
 import resources.config
 import resources.devices
 import resources.plan
-from resources.config import RoleSpec, parse_resource_config
+import resources.validate
+import resources.yaml_reader
+from resources.config import RoleSpec
 from resources.devices import GpuInfo
 from resources.plan import WorkerSpec, device_roles, plan_role, plan_workers
+from resources.validate import parse_resource_config
 
 DESIGN = yaml.safe_load("""\
 actor:   {device_type: cuda, device_ids: [0, 1], strategy: fsdp}
@@ -90,7 +93,8 @@ def test_worker_spec_is_frozen():
         worker.device_id = 3
 
 
-@pytest.mark.parametrize("module", [resources.config, resources.devices, resources.plan])
+@pytest.mark.parametrize("module", [resources.config, resources.devices, resources.plan,
+                                    resources.validate, resources.yaml_reader])
 def test_placement_modules_stay_pure(module):
     """No dask, torch or pipeline imports: placement must import on any machine, fast."""
     tree = ast.parse(Path(module.__file__).read_text())

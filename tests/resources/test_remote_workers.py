@@ -19,7 +19,7 @@ from pipeline.rewards import digit_fraction
 from pipeline.roles.host import role_ready, worker_identity
 from pipeline.tasks import submit
 from resources.cluster import RoleCluster, live_workers
-from resources.config import load_resource_config
+from resources import load_resource_config
 from resources.devices import nvml_status, pin_to_device
 from resources.plan import WorkerSpec
 from resources.worker import role_worker_specs
