@@ -1,6 +1,6 @@
 """A validated ResourceConfig -> one WorkerSpec per worker process (pure: no Dask, no NVML).
 
-One worker per GPU (DESIGN.md): each spec pins its process to one physical GPU through the
+One worker per GPU: each spec pins its process to one physical GPU through the
 environment, or hides every GPU for a CPU role, and carries exactly one role resource, so
 that a task tagged with one role can only land on that role's workers. cluster.py turns the
 specs into Nanny processes; keeping this step pure lets tests check placement without a

@@ -111,7 +111,7 @@ def _default_strategy(role: str, workers: int, device_type: str = "cpu") -> str:
 
 
 def _placed_with_actor(actor: RoleSpec, role: str) -> RoleSpec:
-    """critic/reference left out of the file share the actor's devices (DESIGN.md default)."""
+    """critic/reference left out of the file share the actor's devices."""
     # The critic has the actor's shape, so the actor's parallelism fits it too.
     strategy = actor.strategy if role == "critic" else _default_strategy(role, actor.workers)
     return RoleSpec(role, actor.device_type, actor.device_ids, actor.workers, strategy,
@@ -131,7 +131,7 @@ class _Parser:
     def parse(self, data: Any) -> ResourceConfig:
         if not isinstance(data, Mapping):
             raise self.error("", data, "the file must map roles to settings",
-                             "start from the example in DESIGN.md (actor: ..., reward: ...)")
+                             "start from examples/resource_config.yaml (actor: ..., reward: ...)")
         self.check_keys(data, TOP_KEYS, prefix="")
         config = ResourceConfig(
             roles=FrozenMap(self.roles(data)),

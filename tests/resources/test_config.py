@@ -1,4 +1,4 @@
-"""The resource file contract: the DESIGN.md file loads as written; every bad file gets one
+"""The resource file contract: the four-GPU example file loads as written; every bad file gets one
 error naming the file, the key path, the value and the fix."""
 
 import copy
