@@ -128,8 +128,10 @@ def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engin
     cuda_graph strategy (its loop runs eagerly on CPU workers) drives a real GRPO run."""
     from dataclasses import replace
 
+    from resources.validate import with_role
+
     shared_cluster.client.register_plugin(RestrictionLog())
-    config = shared_config.with_role(replace(shared_config.role("rollout"), strategy="cuda_graph"))
+    config = with_role(shared_config, replace(shared_config.role("rollout"), strategy="cuda_graph"))
     trainer = HybridTrainer(tiny_model, digit_fraction, config, algorithm="grpo", prompts=prompts,
                             cluster=shared_cluster, steps=2, samples_per_prompt=2, kl_coef=0.0, **SMALL)
     assert "reference" not in trainer.roles
