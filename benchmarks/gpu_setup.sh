@@ -1,5 +1,6 @@
 # Source this on the GPU machine (no registry there): installs the Dask wheels carried in
-# .whl/ (fetched here with ../shared/tools/gpu-wheels.sh) into .site/ and puts them on the path,
+# .whl/ (dask, distributed, dask-cuda and their pure-Python needs, fetched beforehand with
+# `pip download --only-binary=:all: --python-version 3.12 ...`) into .site/, puts them on the path,
 # creates $OUT and starts an nvidia-smi trace of per-process GPU memory into $OUT/gpu_apps.csv
 # (stopped when the calling script exits).
 set -uo pipefail

@@ -128,7 +128,7 @@ class HybridTrainer:
                                          engine_args=rollout_spec.vllm_kwargs),
             "actor": functools.partial(actor.ActorRole, self.actor_dir, lr=tc.actor_lr,
                                        strategy=self.resources.role("actor").strategy, grad_clip=tc.grad_clip,
-                                       dtype=tc.dtype),
+                                       dtype=tc.dtype, gradient_checkpointing=tc.gradient_checkpointing),
             "reward": self._reward_recipe(reward_model),
         }
         if "reference" in roles:
@@ -138,7 +138,8 @@ class HybridTrainer:
         if "critic" in roles:
             recipes["critic"] = functools.partial(
                 critic.CriticRole, self._model_dir(critic_model, "critic"),
-                lr=tc.critic_lr, strategy=self.resources.role("critic").strategy, grad_clip=tc.grad_clip)
+                lr=tc.critic_lr, strategy=self.resources.role("critic").strategy, grad_clip=tc.grad_clip,
+                gradient_checkpointing=tc.gradient_checkpointing)
         threads = None if self.resources.uses_cuda else 1  # CPU roles share few cores: one each
         # Registering a plugin returns once every worker has run its setup, i.e. loaded the
         # role's model: one thread per role lets the roles load their models side by side.

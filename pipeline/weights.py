@@ -90,7 +90,12 @@ def publish(state: dict[str, torch.Tensor], version: int, directory: str | os.Pa
 
 
 def receive(handle: WeightHandle, snapshot: bytes | None = None) -> dict[str, torch.Tensor]:
-    """The state of `handle`, by its transport; `snapshot`: bytes already fetched through Dask."""
+    """The state of `handle`, by its transport; `snapshot`: bytes already fetched through Dask.
+
+    With "cuda_ipc" the tensors are views of the publisher's buffers (no second copy of the
+    weights on the GPU): copy them into the model right away, before the publisher drops
+    that version (it keeps the last `keep`).
+    """
     if snapshot is not None:
         return load_snapshot_bytes(snapshot)
     if handle.transport == "cuda_ipc":
@@ -250,7 +255,7 @@ def _uuid(index: int) -> str:
 def _receive_cuda_ipc(handle: WeightHandle) -> dict[str, torch.Tensor]:
     layout, reductions = list(handle.ipc[0]), handle.ipc[1]
     if handle.pid == os.getpid() and handle.version in _PUBLISHED:
-        buffers = [b.clone() for b in _PUBLISHED[handle.version]]
+        buffers = list(_PUBLISHED[handle.version])
     else:
         if handle.host != socket.gethostname():
             raise RuntimeError(f"cuda_ipc weights v{handle.version} were published on {handle.host}; CUDA IPC "
@@ -266,7 +271,7 @@ def _receive_cuda_ipc(handle: WeightHandle) -> dict[str, torch.Tensor]:
         for rebuild, args in reductions:
             args = (*args[:6], index, *args[7:])   # the device index as this process numbers it
             with torch.cuda.device(index):
-                buffers.append(rebuild(*args).clone())
+                buffers.append(rebuild(*args))
     out: dict[str, torch.Tensor] = {}
     for flat, (_, indices) in zip(buffers, _buckets(layout, math.inf)):
         _unpack(flat, layout, indices, out)

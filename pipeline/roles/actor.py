@@ -37,12 +37,13 @@ class PolicyStep:
 
 class ActorRole:
     def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str,
-                 grad_clip: float = 1.0, dtype: str = "float32"):
+                 grad_clip: float = 1.0, dtype: str = "float32", gradient_checkpointing: bool = False):
         device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
         build = functools.partial(load_causal_lm, model_dir, dtype=getattr(torch, dtype))
-        self.trainer = Trainable(build, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
+        self.trainer = Trainable(build, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip,
+                                 gradient_checkpointing=gradient_checkpointing)
         self.device = device
 
     def close(self) -> None:

@@ -25,11 +25,13 @@ class CriticStep:
 
 
 class CriticRole:
-    def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str, grad_clip: float = 1.0):
+    def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str, grad_clip: float = 1.0,
+                 gradient_checkpointing: bool = False):
         device = resolve_device(device)
         from pipeline.models import ValueModel
 
-        self.trainer = Trainable(lambda: ValueModel(model_dir), lr=lr, strategy=strategy, device=device, grad_clip=grad_clip)
+        self.trainer = Trainable(lambda: ValueModel(model_dir), lr=lr, strategy=strategy, device=device,
+                                 grad_clip=grad_clip, gradient_checkpointing=gradient_checkpointing)
         self.device = device
 
     @torch.no_grad()

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from pipeline.algorithms import logprobs_from_logits
 from pipeline.models import position_ids
+
+
+# Response tokens projected onto the vocabulary at once. A (tokens, V) float32 block is what
+# the loss holds per chunk: 1024 x 152k (Qwen2's vocabulary) is 0.6 GB, where a whole
+# 16 x 256-token micro-batch at once would be 2.5 GB, plus as much again for its gradient.
+LOGIT_CHUNK_TOKENS = 1024
+
+# Models whose logits are exactly lm_head(base_model(...)): checked once per model object.
+_SEPARABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -13,10 +25,59 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """(B, P+R) ids -> (B, R) log-probabilities of the response tokens under `model`.
 
     The logits at position t predict token t+1, so columns P-1 .. P+R-2 score the response.
+    The prompt's columns are never projected onto the vocabulary, and the response's are
+    projected LOGIT_CHUNK_TOKENS at a time; with gradients on, each chunk's logits are
+    recomputed in the backward pass instead of being kept (memory: one chunk, not B x R x V).
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids(attention_mask)).logits
-    return logprobs_from_logits(logits[:, prompt_length - 1:-1], input_ids[:, prompt_length:], temperature)
+    targets = input_ids[:, prompt_length:]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
+    if not _separable(model, inputs, prompt_length, temperature):
+        logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits
+        return logprobs_from_logits(logits[:, :-1], targets, temperature)
+    hidden = model.base_model(**inputs).last_hidden_state[:, prompt_length - 1:-1]
+    return _chunked_logprobs(model.get_output_embeddings(), hidden, targets, temperature)
+
+
+def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, R, H) final hidden states, (B, R) tokens -> (B, R) float32 logprobs, chunk by chunk."""
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    parts = []
+    for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS):
+        chunk = (head, flat_hidden[start:start + LOGIT_CHUNK_TOKENS], flat_targets[start:start + LOGIT_CHUNK_TOKENS],
+                 temperature)
+        parts.append(checkpoint(_project, *chunk, use_reentrant=False) if torch.is_grad_enabled()
+                     else _project(*chunk))
+    return torch.cat(parts).view(targets.shape)
+
+
+def _project(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logprobs_from_logits(head(hidden), tokens, temperature)
+
+
+def _separable(model, inputs: dict, prompt_length: int, temperature: float) -> bool:
+    """Whether the model's logits are its output embedding applied to its base model's
+    output. Most causal LMs are; some scale or soft-cap the logits in their own forward,
+    and an FSDP-sharded model gathers its root parameters only in the root's forward: those
+    take the whole-model path. Decided once per model, on its first row, by computing both."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):  # sharding changes the class of the same object: ask first
+        return False
+    if model in _SEPARABLE:
+        return _SEPARABLE[model]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    separable = head is not None and getattr(model, "base_model", model) is not model
+    if separable:
+        row = {k: v[:1] for k, v in inputs.items()}
+        targets = row["input_ids"][:, prompt_length:]
+        with torch.no_grad():
+            whole = logprobs_from_logits(model(**row).logits[:, prompt_length - 1:-1], targets, temperature)
+            hidden = model.base_model(**row).last_hidden_state[:, prompt_length - 1:-1]
+            split = _chunked_logprobs(head, hidden, targets, temperature)
+        low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        separable = torch.allclose(whole, split, rtol=0, atol=2e-2 if low_precision else 1e-4)
+    _SEPARABLE[model] = separable
+    return separable
 
 
 def response_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -44,9 +44,12 @@ class RolloutRole:
         if snapshot is None and handle.transport != "cuda_ipc" and (
                 handle.transport == "dask" or not weights.is_local(handle)):
             snapshot = _fetch_through_dask(handle)
-        state = weights.receive(handle, snapshot)
-        self.engine.load_state_dict(state)
+        self.engine.load_state_dict(weights.receive(handle, snapshot))
         self.version = handle.version
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # What receiving took (a host snapshot's staging copy, IPC mappings) goes back to
+            # the GPU, not into this process's cache: co-located roles need that memory.
+            torch.cuda.empty_cache()
 
 
 def _fetch_through_dask(handle: weights.WeightHandle) -> bytes:

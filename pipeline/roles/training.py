@@ -43,10 +43,11 @@ class Trainable:
     """A model, its optimizer and its data-parallel group on one worker."""
 
     def __init__(self, build_model: Callable[[], nn.Module], *, lr: float, strategy: str, device: str,
-                 grad_clip: float = 1.0, weight_decay: float = 0.0):
+                 grad_clip: float = 1.0, weight_decay: float = 0.0, gradient_checkpointing: bool = False):
         self.build_model = build_model   # kept: a resize rebuilds an unsharded model
-        self.model = build_model().to(device)
         self.device = device
+        self.gradient_checkpointing = gradient_checkpointing
+        self.model = self._build()
         self.strategy = strategy
         self.grad_clip = grad_clip
         self.lr = lr
@@ -55,6 +56,21 @@ class Trainable:
         self.optimizer = self._make_optimizer()
         self.allocator = MicroBatchAllocator()
         self.micro_batch_rows: int | None = None   # what the last step used (after any backoff)
+
+    def _build(self) -> nn.Module:
+        model = self.build_model().to(self.device)
+        if self.gradient_checkpointing:
+            # Keep only each transformer block's input for the backward pass and recompute
+            # the rest: activation memory of a micro-batch drops from O(layers x hidden x
+            # intermediate) to O(layers x hidden) per token, for about a third more compute.
+            blocks = _blocks(model)
+            # transformers renamed it (5.2x); the older name warns there and is gone in 6.
+            enable = getattr(blocks, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                blocks.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
@@ -73,7 +89,7 @@ class Trainable:
             dist.destroy_process_group()
         self.strategy = group.strategy if group.world_size > 1 else self.strategy
         if state is not None:  # start from the saved state, unsharded, then shard anew
-            self.model = self.build_model().to(self.device)
+            self.model = self._build()
             self.model.load_state_dict(state["model"])
             self.optimizer = self._make_optimizer()
         self.group = group
@@ -125,8 +141,13 @@ class Trainable:
         # Eval mode, i.e. dropout off, while computing gradients: the proximal log-probs and
         # old values come from eval-mode forwards, so with dropout on, on-policy ratios would
         # be != 1 from the first step. Transformers models read `training` only for dropout
-        # (and gradient checkpointing, unused here); gradients flow the same in eval mode.
+        # and gradient checkpointing; gradients flow the same in eval mode. Checkpointing
+        # blocks get their own flag back: their submodules (where dropout is) stay in eval.
         self.model.eval()
+        if self.gradient_checkpointing:
+            for module in self.model.modules():
+                if getattr(module, "gradient_checkpointing", False) is True:
+                    module.training = True
         rows = self.allocator.rows(max_rows, tokens_per_row, self._free_bytes())
         while True:
             try:
@@ -224,6 +245,15 @@ class Trainable:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _blocks(model: nn.Module) -> nn.Module:
+    """The transformers model inside `model` (the critic wraps one in a value head)."""
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing_enable") or hasattr(module, "activation_checkpointing_enable"):
+            return module
+    raise TypeError(f"gradient_checkpointing needs a transformers model; {type(model).__name__} holds none: "
+                    "set train.gradient_checkpointing: false")
 
 
 def _load_restore(path: str) -> dict:

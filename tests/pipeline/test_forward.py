@@ -1,0 +1,88 @@
+"""The shared forward pass: response logprobs projected chunk by chunk equal the whole-model
+logits, gradients too (chunks recomputed in the backward pass), models that change their
+logits after the output embedding take the whole-model path, and gradient checkpointing in
+the trainable roles leaves the gradient as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.algorithms import logprobs_from_logits
+from pipeline.models import load_causal_lm
+from pipeline.roles import forward
+from pipeline.roles.forward import response_logprobs
+from pipeline.roles.training import Trainable
+
+
+def _batch(vocab: int, rows: int = 3, prompt: int = 5, response: int = 7):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (rows, prompt + response), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0    # a left-padded prompt
+    return ids, mask, prompt
+
+
+def _reference(model, ids, mask, prompt, temperature):
+    """The definition: full logits of the whole model, columns P-1 .. L-2."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    return logprobs_from_logits(logits[:, prompt - 1:-1], ids[:, prompt:], temperature)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 4)   # 21 response tokens: 6 chunks, the last short
+
+
+def test_chunked_logprobs_and_gradients_equal_the_whole_model(tiny_model, small_chunks):
+    model = load_causal_lm(tiny_model).eval()
+    ids, mask, prompt = _batch(model.config.vocab_size)
+    expected = _reference(model, ids, mask, prompt, 0.7)
+    expected.sum().backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    got = response_logprobs(model, ids, mask, prompt, 0.7)
+    assert forward._SEPARABLE[model] is True
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    got.sum().backward()
+    for name, param in model.named_parameters():
+        # Summation order differs (chunks): float32 rounding, ~1e-6 on gradients of size ~10.
+        torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_model_that_rescales_its_logits_takes_the_whole_model_path(tiny_model, small_chunks):
+    model = load_causal_lm(tiny_model).eval()
+    model.register_forward_hook(lambda module, args, out: setattr(out, "logits", out.logits * 3.0) or out)
+    ids, mask, prompt = _batch(model.config.vocab_size)
+    got = response_logprobs(model, ids, mask, prompt, 1.0)
+    assert forward._SEPARABLE[model] is False
+    torch.testing.assert_close(got, _reference(model, ids, mask, prompt, 1.0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradient_checkpointing_leaves_the_gradient_unchanged(tiny_model, checkpointing):
+    """The same optimizer step with and without recomputation: equal gradient norm and weights."""
+    ids, mask, prompt = _batch(40)
+
+    def loss(model, rows):
+        logp = response_logprobs(model, ids[rows], mask[rows], prompt, 1.0)
+        return -logp.mean(), {"rows": float(len(range(*rows.indices(len(ids)))))}
+
+    results = []
+    for enabled in (False, checkpointing):
+        torch.manual_seed(0)
+        trainable = Trainable(lambda: load_causal_lm(tiny_model), lr=1e-2, strategy="none", device="cpu",
+                              gradient_checkpointing=enabled)
+        stats = trainable.optimizer_step(lambda size: [slice(0, 2), slice(2, 3)], loss, max_rows=2,
+                                         tokens_per_row=ids.shape[1])
+        results.append((stats["grad_norm"], [p.detach().clone() for p in trainable.model.parameters()]))
+    (norm_a, params_a), (norm_b, params_b) = results
+    assert norm_a == pytest.approx(norm_b, rel=1e-6)
+    for a, b in zip(params_a, params_b):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    if checkpointing:  # the recompute really ran: blocks in checkpointing mode, dropout modules in eval
+        layers = [m for m in trainable.model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        assert layers and all(m.training for m in layers)
+        assert not any(m.training for m in trainable.model.modules() if isinstance(m, torch.nn.Dropout))
