@@ -73,7 +73,7 @@ def main() -> None:
     def report(record):
         print(json.dumps({"step": record.step, "version": record.policy_version, "seconds": round(record.seconds, 3),
                           "tokens_per_second": round(record.tokens_per_second), "reward": round(record.reward_mean, 3),
-                          "workers": [w["name"] for w in trainer.cluster.workers_of(args.role)]}), flush=True)
+                          "workers": [w["name"] for w in trainer.fleet.cluster.workers_of(args.role)]}), flush=True)
 
     trainer.train(on_step=report)
     thread.join()

@@ -69,7 +69,7 @@ def run_scale(args: argparse.Namespace) -> int:
     """`dask-rl scale ADDRESS --role R ...`: prints what changed, or the trainer's error."""
     from distributed import Client
 
-    from pipeline.elastic import send_remote_request
+    from pipeline.fleet.boundary import send_remote_request
 
     request = {"component": args.role, "device_ids": args.device_ids, "strategy": args.strategy,
                "workers": args.workers, "device_type": args.device_type}

@@ -40,7 +40,6 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
         input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, response_mask=mask,
         behavior_logprobs=rollout.behavior_logprobs, ref_logprobs=ref_logprobs,
         advantages=advantages, returns=returns, old_values=old_values,
-        policy_version=torch.full((len(rollout),), rollout.policy_version, dtype=torch.long),
         prompt_length=rollout.prompt_length,
     )
     stats = {"reward_mean": float(scores.float().mean()), "kl_mean": float(masked_mean(kl, mask)),

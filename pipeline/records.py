@@ -64,7 +64,6 @@ class Experience:
     advantages: torch.Tensor         # (B, R) A_t (GAE for PPO, group-normalised reward for GRPO)
     returns: torch.Tensor            # (B, R) critic targets R_t = A_t + V_t (zeros for GRPO)
     old_values: torch.Tensor         # (B, R) V_t at rollout time (zeros for GRPO)
-    policy_version: torch.Tensor     # (B,) int64: version that generated each row
     prompt_length: int               # P
 
     def __len__(self) -> int:
@@ -76,39 +75,35 @@ class Experience:
         return replace(self, **picked)
 
 
-def concat_rollouts(parts: list[Rollout]) -> Rollout:
-    """Join shards from several rollout workers, re-padding to the widest prompt/response."""
-    prompt_length = max(p.prompt_length for p in parts)
-    response_length = max(p.response_mask.shape[1] for p in parts)
-    padded = [_pad_rollout(p, prompt_length, response_length) for p in parts]
-    versions = {p.policy_version for p in parts}
+def join_shards(rollouts: list[Rollout], **per_token: list[torch.Tensor]) -> tuple[Rollout, dict[str, torch.Tensor]]:
+    """One step's shards from several rollout workers as one record, padded once: prompts
+    left-padded to the widest P, responses and every (B_shard, R_shard) tensor in
+    `per_token` (reference logprobs, critic values, shard by shard) right-padded to the
+    widest R with zeros (masked out by the response mask)."""
+    prompt_length = max(p.prompt_length for p in rollouts)
+    response_length = max(p.response_mask.shape[1] for p in rollouts)
+    versions = {p.policy_version for p in rollouts}
     if len(versions) != 1:
         raise ValueError(f"rollout shards come from different policy versions {sorted(versions)}")
-    return Rollout(
-        input_ids=torch.cat([p.input_ids for p in padded]),
-        attention_mask=torch.cat([p.attention_mask for p in padded]),
-        response_mask=torch.cat([p.response_mask for p in padded]),
-        behavior_logprobs=torch.cat([p.behavior_logprobs for p in padded]),
-        group_ids=torch.cat([p.group_ids for p in padded]),
-        policy_version=parts[0].policy_version,
+
+    def cat(tensors: list[torch.Tensor], with_prompt: bool = False) -> torch.Tensor:
+        padded = []
+        for t, shard in zip(tensors, rollouts):
+            prompt = shard.prompt_length if with_prompt else 0   # (B, P+R) or (B, R) columns
+            left = prompt_length - shard.prompt_length if with_prompt else 0
+            padded.append(torch.nn.functional.pad(t, (left, response_length - (t.shape[1] - prompt))))
+        return torch.cat(padded)
+
+    rollout = Rollout(
+        input_ids=cat([p.input_ids for p in rollouts], with_prompt=True),
+        attention_mask=cat([p.attention_mask for p in rollouts], with_prompt=True),
+        response_mask=cat([p.response_mask for p in rollouts]),
+        behavior_logprobs=cat([p.behavior_logprobs for p in rollouts]),
+        group_ids=torch.cat([p.group_ids for p in rollouts]),
+        policy_version=rollouts[0].policy_version,
         prompt_length=prompt_length,
     )
-
-
-def _pad_rollout(rollout: Rollout, prompt_length: int, response_length: int) -> Rollout:
-    """Left-pad the prompt part and right-pad the response part with zeros (pad, masked out)."""
-    left = prompt_length - rollout.prompt_length
-    right = response_length - rollout.response_mask.shape[1]
-    if left == 0 and right == 0:
-        return rollout
-    pad_ids = lambda t: torch.nn.functional.pad(t, (left, right))  # noqa: E731 - two uses below
-    pad_resp = lambda t: torch.nn.functional.pad(t, (0, right))  # noqa: E731
-    return Rollout(
-        input_ids=pad_ids(rollout.input_ids), attention_mask=pad_ids(rollout.attention_mask),
-        response_mask=pad_resp(rollout.response_mask),
-        behavior_logprobs=pad_resp(rollout.behavior_logprobs), group_ids=rollout.group_ids,
-        policy_version=rollout.policy_version, prompt_length=prompt_length,
-    )
+    return rollout, {name: cat(parts) for name, parts in per_token.items() if parts}
 
 
 def rank_shards(num_rows: int, world_size: int, mini_batches: int) -> list[list[torch.Tensor]]:
@@ -120,3 +115,8 @@ def rank_shards(num_rows: int, world_size: int, mini_batches: int) -> list[list[
     """
     blocks = torch.arange(num_rows).tensor_split(mini_batches)
     return [[block.tensor_split(world_size)[rank] for block in blocks] for rank in range(world_size)]
+
+
+def row_chunks(num_rows: int, chunk_size: int) -> list[slice]:
+    """Consecutive row slices of at most `chunk_size` rows (micro-batches)."""
+    return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]

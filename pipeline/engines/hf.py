@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.algorithms import logprobs_from_logits
-from pipeline.records import GenerationRequest, Rollout
+from pipeline.records import GenerationRequest, Rollout, row_chunks
 
 
 def repeat_prompts(request: GenerationRequest) -> tuple[list[list[int]], list[int]]:
@@ -78,7 +78,7 @@ class HFEngine:
         )
         responses = sequences[:, ids.shape[1]:].cpu()
         logprobs = torch.cat([self._logprobs(ids[r], mask[r], responses[r], request.temperature)
-                              for r in _row_slices(len(prompts), self.rows)])
+                              for r in row_chunks(len(prompts), self.rows)])
         return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
 
     def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor,
@@ -95,7 +95,3 @@ class HFEngine:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state, strict=False)
-
-
-def _row_slices(rows: int, size: int) -> list[slice]:
-    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]

@@ -12,8 +12,8 @@ from distributed import get_worker
 from pipeline import weights
 from pipeline.algorithms import importance_weights, kl_loss, policy_loss
 from pipeline.metrics import sum_stats
-from pipeline.records import Experience
-from pipeline.roles.forward import response_logprobs, row_chunks
+from pipeline.records import Experience, row_chunks
+from pipeline.roles.forward import in_row_chunks, response_logprobs
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 
@@ -74,13 +74,9 @@ class ActorRole:
         return totals, weights.publish(state, step.next_version, step.snapshot_dir, keep=step.keep_versions,
                                        transport=step.transport)
 
-    @torch.no_grad()
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
-        model = self.trainer.model.eval()
-        parts = [response_logprobs(model, batch.input_ids[r].to(self.device), batch.attention_mask[r].to(self.device),
-                                   batch.prompt_length, step.temperature).float()
-                 for r in row_chunks(len(batch), step.micro_batch_size)]
-        return torch.cat(parts)
+        return in_row_chunks(response_logprobs, self.trainer.model.eval(), batch, step.micro_batch_size,
+                             self.device, step.temperature)
 
     def _loss(self, model, chunk, step: PolicyStep, normalizer: float):
         batch, proximal = chunk

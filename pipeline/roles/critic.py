@@ -8,8 +8,8 @@ import torch
 
 from pipeline.algorithms import value_loss
 from pipeline.metrics import sum_stats
-from pipeline.records import Experience, Rollout
-from pipeline.roles.forward import response_values, row_chunks
+from pipeline.records import Experience, Rollout, row_chunks
+from pipeline.roles.forward import in_row_chunks, response_values
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 
@@ -34,14 +34,10 @@ class CriticRole:
                                  grad_clip=grad_clip, gradient_checkpointing=gradient_checkpointing)
         self.device = device
 
-    @torch.no_grad()
     def values(self, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
         """(B, R) V(s_t) for each response token, 0 on padding."""
-        model = self.trainer.model.eval()
-        parts = [response_values(model, rollout.input_ids[rows].to(self.device),
-                                 rollout.attention_mask[rows].to(self.device), rollout.prompt_length).float().cpu()
-                 for rows in row_chunks(len(rollout), micro_batch_size)]
-        return torch.cat(parts) * rollout.response_mask
+        return in_row_chunks(response_values, self.trainer.model.eval(), rollout, micro_batch_size,
+                             self.device).cpu() * rollout.response_mask
 
     def close(self) -> None:
         self.trainer.close()

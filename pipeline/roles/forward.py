@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.algorithms import logprobs_from_logits
 from pipeline.models import position_ids
+from pipeline.records import row_chunks
 
 
 # Response tokens projected onto the vocabulary at once. A (tokens, V) float32 block is what
@@ -86,6 +87,11 @@ def response_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return critic(input_ids, attention_mask)[:, prompt_length - 1:-1]
 
 
-def row_chunks(num_rows: int, chunk_size: int) -> list[slice]:
-    """Consecutive row slices of at most `chunk_size` rows (micro-batches)."""
-    return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
+@torch.no_grad()
+def in_row_chunks(forward, model, batch, micro_batch_size: int, device, *args) -> torch.Tensor:
+    """(B, R) float32 `forward(model, input_ids, attention_mask, prompt_length, *args)` over a
+    rollout or experience, `micro_batch_size` rows at a time (no gradients), on `device`:
+    the reference's logprobs, the critic's values and the actor's proximal logprobs."""
+    return torch.cat([forward(model, batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device),
+                              batch.prompt_length, *args).float()
+                      for rows in row_chunks(len(batch), micro_batch_size)])

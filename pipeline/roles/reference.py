@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.records import Rollout
-from pipeline.roles.forward import response_logprobs, row_chunks
+from pipeline.roles.forward import in_row_chunks, response_logprobs
 from pipeline.roles.host import resolve_device, role_state
 
 
@@ -18,15 +18,10 @@ class ReferenceRole:
         self.device = device
         self.micro_batch_size = micro_batch_size
 
-    @torch.no_grad()
     def logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
-        """(B, R) log pi_ref of the response tokens."""
-        parts = []
-        for rows in row_chunks(len(rollout), self.micro_batch_size):
-            parts.append(response_logprobs(
-                self.model, rollout.input_ids[rows].to(self.device), rollout.attention_mask[rows].to(self.device),
-                rollout.prompt_length, temperature).float().cpu())
-        return torch.cat(parts) * rollout.response_mask
+        """(B, R) log pi_ref of the response tokens, 0 on padding."""
+        return in_row_chunks(response_logprobs, self.model, rollout, self.micro_batch_size, self.device,
+                             temperature).cpu() * rollout.response_mask
 
 
 def ref_logprobs(rollout: Rollout, temperature: float) -> torch.Tensor:

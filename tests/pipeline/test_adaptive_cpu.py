@@ -47,10 +47,10 @@ def test_train_starts_and_stops_adaptation_from_the_file(adaptive_cluster, tiny_
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             cluster=adaptive_cluster, steps=1, **{**ROLLOUT_BOUND, "max_new_tokens": 4})
     seen = []
-    trainer.train(on_step=lambda record: seen.append(trainer._adaptive))
+    trainer.train(on_step=lambda record: seen.append(trainer.fleet._adaptive))
     (adaptive,) = seen
     assert adaptive is not None and adaptive.bounds == {"rollout": AdaptiveBounds(1, 2), "reward": AdaptiveBounds(1, 2)}
-    assert trainer._adaptive is None and not adaptive.running  # stopped when train() ended
+    assert not trainer.fleet.adapting and not adaptive.running  # stopped when train() ended
     with pytest.raises(ValueError, match="cannot be scaled on its own"):
         trainer.adapt({"critic": (1, 2)})
 

@@ -14,8 +14,8 @@ from pipeline.records import Experience, GenerationRequest, rank_shards
 from pipeline.roles import actor
 from pipeline.roles.host import RoleHost, plugin_name
 from pipeline.roles.training import GroupInfo
-from pipeline.tasks import submit
-from pipeline.groups import free_port
+from pipeline.fleet.tasks import submit
+from pipeline.fleet.groups import free_port
 from resources.cluster import live_workers
 
 
@@ -32,7 +32,7 @@ def _experience(model_dir: str) -> Experience:
         input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, response_mask=mask,
         behavior_logprobs=rollout.behavior_logprobs, ref_logprobs=rollout.behavior_logprobs.clone(),
         advantages=torch.randn(mask.shape, generator=generator) * mask, returns=torch.zeros_like(mask),
-        old_values=torch.zeros_like(mask), policy_version=torch.zeros(len(rollout), dtype=torch.long),
+        old_values=torch.zeros_like(mask),
         prompt_length=rollout.prompt_length)
 
 

@@ -54,7 +54,7 @@ def _experience(rollout: Rollout, **fields) -> Experience:
     base = dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                 response_mask=rollout.response_mask, behavior_logprobs=rollout.behavior_logprobs,
                 ref_logprobs=rollout.behavior_logprobs, advantages=zeros, returns=zeros, old_values=zeros,
-                policy_version=torch.zeros(len(rollout), dtype=torch.long), prompt_length=rollout.prompt_length)
+                prompt_length=rollout.prompt_length)
     return Experience(**{**base, **fields})
 
 

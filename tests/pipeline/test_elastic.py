@@ -20,7 +20,7 @@ import torch
 from pipeline import weights
 from pipeline.rewards import digit_fraction
 from pipeline.roles.host import worker_identity
-from pipeline.tasks import submit
+from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
 from resources import ResourceConfigError, load_resource_config
 
@@ -95,11 +95,11 @@ def test_actor_resize_keeps_the_update_it_would_have_made(elastic_cluster, tiny_
     config = load_resource_config(LAYOUT)
     resized = HybridTrainer(tiny_model, digit_fraction, config, prompts=prompts, cluster=elastic_cluster, **GRPO)
     resized.step()
-    assert len(resized.group_members("actor")) == 2
+    assert len(resized.fleet.groups.members("actor")) == 2
     (change,) = resized.update_resource("actor", workers=1)
     assert change.removed == ("actor-1",) and change.workers == ("actor-0",)
     resized.step()
-    assert resized.group_members("actor") == tuple(w["address"] for w in elastic_cluster.workers_of("actor"))
+    assert resized.fleet.groups.members("actor") == tuple(w["address"] for w in elastic_cluster.workers_of("actor"))
 
     steady = HybridTrainer(tiny_model, digit_fraction, resized.resources, prompts=prompts,
                            cluster=elastic_cluster, **GRPO)
@@ -112,13 +112,13 @@ def test_actor_resize_keeps_the_update_it_would_have_made(elastic_cluster, tiny_
     (change,) = resized.update_resource("actor", workers=2)
     assert change.added and len(change.workers) == 2
     record = resized.step()
-    assert record.policy_version == 3 and len(resized.group_members("actor")) == 2
+    assert record.policy_version == 3 and len(resized.fleet.groups.members("actor")) == 2
     # A strategy change alone regroups the same workers from the exported state.
     (change,) = resized.update_resource("actor", strategy="fsdp")
     assert change.strategy == "fsdp" and not change.added and not change.removed
     assert resized.step().policy_version == 4
     strategies = [submit(elastic_cluster.client, "actor", _actor_strategy, workers=[address]).result()
-                  for address in resized.group_members("actor")]
+                  for address in resized.fleet.groups.members("actor")]
     assert strategies == ["fsdp", "fsdp"]
 
 
@@ -149,14 +149,14 @@ def test_reward_reference_and_critic_change_too(elastic_cluster, tiny_model, pro
                             cluster=elastic_cluster, algorithm="ppo", prompts_per_step=8, max_new_tokens=8,
                             actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=8, show_progress=False)
     trainer.step()
-    assert len(trainer.group_members("critic")) == 2
+    assert len(trainer.fleet.groups.members("critic")) == 2
     (reward_up,) = trainer.update_resource("reward", workers=2, strategy="data_parallel")
     (reference_up,) = trainer.update_resource("reference", workers=2, strategy="data_parallel")
     (critic_down,) = trainer.update_resource("critic", workers=1)
     assert len(reward_up.workers) == 2 and len(reference_up.workers) == 2 and len(critic_down.workers) == 1
     record = trainer.step()
     assert record.policy_version == 2 and "critic_grad_norm" in record.losses
-    assert len(trainer.group_members("critic")) == 1
+    assert len(trainer.fleet.groups.members("critic")) == 1
     # With two rollout shards per step, both reward workers score.
     trainer.update_resource("rollout", workers=2)
     with get_task_stream(client=elastic_cluster.client) as stream:

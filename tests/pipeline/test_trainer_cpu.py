@@ -10,7 +10,7 @@ from pipeline.records import GenerationRequest
 from pipeline.rewards import digit_fraction
 from pipeline.roles import rollout
 from pipeline.roles.host import worker_identity
-from pipeline.tasks import submit
+from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
 
 SMALL = dict(prompts_per_step=8, max_new_tokens=8, actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=8,

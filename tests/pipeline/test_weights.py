@@ -15,7 +15,7 @@ import torch
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from pipeline import weights
-from pipeline.groups import free_port
+from pipeline.fleet.groups import free_port
 from pipeline.roles import sync
 from pipeline.roles.host import RoleHost, plugin_name
 

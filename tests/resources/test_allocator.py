@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from pipeline.roles.forward import row_chunks
+from pipeline.records import row_chunks
 from pipeline.roles.training import Trainable
 from resources.allocator import MicroBatchAllocator, OutOfMemoryAtOneRow
 

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.rewards import digit_fraction
 from pipeline.roles.host import role_ready, worker_identity
-from pipeline.tasks import submit
+from pipeline.fleet.tasks import submit
 from resources.cluster import RoleCluster, live_workers
 from resources import load_resource_config
 from resources.devices import nvml_status, pin_to_device
@@ -158,17 +158,17 @@ def test_grpo_trains_on_remote_workers_and_a_late_worker_takes_reward_tasks(remo
         assert all(r.tokens > 0 for r in records)
 
         late, address = processes.worker(remote["address"], "reward")  # joins while the trainer is connected
-        info = live_workers(trainer.client)[address]
+        info = live_workers(trainer.fleet.client)[address]
         assert info["name"] == f"reward-{HOST}-1" and info["resources"] == {"reward": 1}
-        where = submit(trainer.client, "reward", worker_identity, tag="late", workers=[address]).result(60)
+        where = submit(trainer.fleet.client, "reward", worker_identity, tag="late", workers=[address]).result(60)
         assert where["address"] == address and where["resources"] == {"reward": 1}
-        assert submit(trainer.client, "reward", role_ready, "reward", workers=[address]).result(120)["name"] == \
+        assert submit(trainer.fleet.client, "reward", role_ready, "reward", workers=[address]).result(120)["name"] == \
             info["name"]  # it loaded the reward model from the trainer's plugin
         trainer.train(1)  # still trains with two reward workers
 
-        trainer.cluster.retire([address])  # its Nanny must close, not restart it: the command exits
+        trainer.fleet.cluster.retire([address])  # its Nanny must close, not restart it: the command exits
         assert late.wait(30) == 0
-        assert address not in live_workers(trainer.client)
+        assert address not in live_workers(trainer.fleet.client)
     finally:
         trainer.close()
     # the trainer leaves the scheduler and the remote workers running
@@ -202,10 +202,10 @@ def test_a_worker_joins_the_trainers_own_scheduler(processes, tiny_model, prompt
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             dashboard_address=":0", **GRPO)
     try:
-        proc, address = processes.worker(trainer.client.scheduler.address, "rollout")
-        assert live_workers(trainer.client)[address]["resources"] == {"rollout": 1}
-        assert len(trainer.cluster.workers_of("rollout")) == 2
-        with get_task_stream(trainer.client) as stream:
+        proc, address = processes.worker(trainer.fleet.client.scheduler.address, "rollout")
+        assert live_workers(trainer.fleet.client)[address]["resources"] == {"rollout": 1}
+        assert len(trainer.fleet.cluster.workers_of("rollout")) == 2
+        with get_task_stream(trainer.fleet.client) as stream:
             trainer.train(1)  # two rollout shards: one of them on the joined worker
         assert any(t["worker"] == address and t["key"].startswith("rollout-generate") for t in stream.data)
     finally:

@@ -10,17 +10,16 @@ neither reached it.
 from __future__ import annotations
 
 from pipeline import weights
-from pipeline.groups import free_port
+from pipeline.fleet.groups import free_port
 from pipeline.roles import sync
-from pipeline.tasks import wait_role
+from pipeline.fleet.tasks import wait_role
 from resources.cluster import RoleCluster
 
 
 class WeightRoutes:
-    def __init__(self, cluster: RoleCluster, mode: str, timeout_seconds: float):
+    def __init__(self, cluster: RoleCluster, mode: str):
         self.cluster = cluster
         self.mode = mode
-        self.timeout = timeout_seconds
         self._channel: tuple[tuple[str, ...], str] | None = None   # (members, init_method)
         self._layout: weights.Layout | None = None
 
@@ -47,7 +46,7 @@ class WeightRoutes:
         spec = self.cluster.specs.get(worker["name"])
         return (worker["host"], spec.device_id) if spec is not None and spec.device_type == "cuda" else None
 
-    def after_publish(self, handle: weights.WeightHandle, actor_address: str) -> None:
+    def after_publish(self, handle: weights.WeightHandle, actor_address: str, timeout: float) -> None:
         """Broadcast `handle`'s version to the rollout workers that cannot read it locally."""
         actor_host = {w["address"]: w["host"] for w in self.cluster.workers_of("actor")}[actor_address]
         readers = self.cluster.workers_of("rollout")
@@ -63,11 +62,11 @@ class WeightRoutes:
             self._channel = (members, f"tcp://{actor_host}:{port}")
         if self._layout is None:
             self._layout = client.submit(sync.weight_layout, resources={"actor": 1}, workers=[actor_address],
-                                         pure=False).result(timeout=self.timeout)
+                                         pure=False).result(timeout=timeout)
         backend = "nccl" if handle.transport == "cuda_ipc" or self._on_gpu(actor_address) else "gloo"
         futures = sync.broadcast_weights(client, handle.version, self._layout, actor_address, targets,
-                                         self._channel[1], backend, self.timeout)
-        wait_role(client, futures, "rollout", f"the broadcast of weights v{handle.version}", self.timeout)
+                                         self._channel[1], backend, timeout)
+        wait_role(client, futures, "rollout", f"the broadcast of weights v{handle.version}", timeout)
 
     def _on_gpu(self, address: str) -> bool:
         worker = next(w for w in self.cluster.workers_of("actor") if w["address"] == address)

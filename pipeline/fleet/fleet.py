@@ -1,0 +1,247 @@
+"""The Fleet: the driver's one view of who runs where.
+
+It owns the cluster and the placement (the validated resource config), the role plugins,
+the trainable roles' process groups, the weight routes and the newest published weights,
+the step-boundary queue of resource changes and their reconciliation, adaptive scaling, and
+the one timeout (`timeout_seconds` of the resource file). The trainer asks it to run and
+wait for role tasks, to publish, and to change the placement; it never reaches past it.
+
+A change is reconciliation: each role's wanted workers (from the new config) are compared
+with its live ones, new workers are started (they load the role's model before taking any
+task; rollout workers also receive the current weights), and removed workers are drained
+(no new task, running ones finish) and only then retired. The trainable roles (actor,
+critic) change at a step boundary: their full model and optimizer state is exported first
+and every rank of the new group starts from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+from pipeline import weights
+from pipeline.fleet import boundary
+from pipeline.fleet.groups import ProcessGroups
+from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
+from pipeline.fleet.routes import WeightRoutes
+from pipeline.fleet.scaling import start_adaptive
+from pipeline.fleet.tasks import submit, wait_role
+from pipeline.roles import rollout
+from pipeline.roles.host import RoleHost, plugin_name, role_ready
+from pipeline.roles.training import GroupInfo
+from resources.adaptive import Decision, RoleAdaptive
+from resources.cluster import RoleCluster
+from resources.config import ResourceConfig
+from resources.plan import plan_change, plan_workers
+
+logger = logging.getLogger("dask_rl")
+
+
+class Fleet:
+    """Role workers for `roles`, placed as `config` says.
+
+    Args:
+        config: the validated resource config.
+        roles: the roles this run uses (a subset of the config's: GRPO has no critic...).
+        snapshot_dir: where the actor publishes weight snapshots and resize exports.
+        weight_sync: the train setting "auto" | "shm" | "cuda_ipc" | "broadcast" | "dask".
+        cluster: run on this RoleCluster (left running at close); else one is started, or
+            `scheduler_address` is joined.
+    """
+
+    def __init__(self, config: ResourceConfig, roles: tuple[str, ...], *, snapshot_dir: str,
+                 weight_sync: str = "auto", cluster: RoleCluster | None = None,
+                 scheduler_address: str | None = None, dashboard_address: str = ":8787"):
+        self.config = config
+        self.roles = roles
+        self.snapshot_dir = snapshot_dir
+        if cluster is None and scheduler_address is not None:
+            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds)
+        self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
+        self.cluster = cluster or RoleCluster([w for w in plan_workers(config) if w.role in roles],
+                                              dashboard_address=dashboard_address)
+        self.client = self.cluster.client
+        self.groups = ProcessGroups(self.client)
+        self.routes = WeightRoutes(self.cluster, weight_sync)
+        self.weights: weights.WeightHandle | None = None   # None: the initial weights (version 0)
+        self._queue = boundary.BoundaryQueue()
+        self._lock = threading.Lock()             # one reconciliation at a time
+        self._train_thread: threading.Thread | None = None
+        self._adaptive: RoleAdaptive | None = None
+        self.adaptive_decisions: list[Decision] = []
+
+    @property
+    def timeout(self) -> float:
+        """The one bound on every wait: the resource file's timeout_seconds."""
+        return self.config.timeout_seconds
+
+    @property
+    def version(self) -> int:
+        return 0 if self.weights is None else self.weights.version
+
+    # -- roles and their tasks -------------------------------------------------------------
+    def register(self, recipes: dict[str, Callable[[], Any]], torch_threads: int | None) -> None:
+        """One RoleHost plugin per role: every worker carrying the role loads its model once.
+        Registering returns once every worker ran its setup; one thread per role lets the
+        roles load their models side by side."""
+        with ThreadPoolExecutor(len(recipes)) as pool:
+            list(pool.map(lambda role: self.client.register_plugin(
+                RoleHost(role, recipes[role], torch_threads=torch_threads), name=plugin_name(role)), recipes))
+
+    def addresses(self, role: str) -> list[str]:
+        return [w["address"] for w in self.cluster.workers_of(role)]
+
+    def submit(self, role: str, fn: Callable, *args: Any, tag: str = "", workers: list[str] | None = None):
+        return submit(self.client, role, fn, *args, tag=tag, workers=workers)
+
+    def wait(self, role: str, futures: list, what: str) -> list:
+        return wait_role(self.client, futures, role, what, self.timeout)
+
+    def rank_groups(self, role: str, workers: list[str]) -> list[GroupInfo]:
+        """The process group of `role` over `workers`, one GroupInfo per rank. A lost actor
+        rank with nothing exported restarts from the last published weights."""
+        spec = self.config.role(role)
+        backend = self.config.comm_backend
+        if backend == "auto":
+            backend = "nccl" if spec.device_type == "cuda" else "gloo"
+        fallback = self.weights.path if role == "actor" and self.weights is not None else None
+        return self.groups.ranks(role, workers, strategy=spec.strategy, backend=backend,
+                                 timeout_seconds=self.timeout, fallback_restore=fallback)
+
+    def lost_member(self, role: str) -> bool:
+        """Whether a worker of the role's current process group is gone."""
+        members = self.groups.members(role)
+        return members is not None and not set(members) <= set(self.addresses(role))
+
+    # -- weights ---------------------------------------------------------------------------
+    def publish_transport(self) -> str:
+        return self.routes.publish_transport()
+
+    def published(self, handle: weights.WeightHandle, actor_address: str) -> None:
+        """A new version is out: remember it, and broadcast it to readers that can't read it
+        where it lies."""
+        self.weights = handle
+        self.routes.after_publish(handle, actor_address, self.timeout)
+
+    # -- placement changes -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Marks the calling thread as the training loop: trainable-role changes asked for
+        from other threads wait for its next step boundary."""
+        self._train_thread = threading.current_thread()
+        try:
+            yield
+        finally:
+            self._train_thread = None
+            self.at_boundary()  # a request that raced the last step is not left waiting
+
+    def update_resource(self, request: ResourceRequest) -> list[ResourceChange]:
+        """Validate `request` against the current placement (a bad one raises, nothing
+        changes), then apply it now, or at the next step boundary when it touches the
+        actor or critic while another thread trains."""
+        base = self.config
+        config = requested_config(base, request)
+        trainer = self._train_thread
+        if request.component in TRAINABLE_EXPORTS and trainer not in (None, threading.current_thread()):
+            return self._queue.put(request, base, config).wait(lambda: self._train_thread is trainer)
+        return self._apply(request, base, config)
+
+    def at_boundary(self) -> None:
+        """Between two steps: apply queued changes, and those `dask-rl scale` sent."""
+        for pending in self._queue.drain():
+            pending.settle(lambda: self._apply(pending.request, pending.base, pending.config))
+        boundary.answer_remote(self.client, lambda kwargs: [str(c) for c in self.update_resource(
+            ResourceRequest(**kwargs))])
+
+    def _apply(self, request: ResourceRequest, base: ResourceConfig, config: ResourceConfig
+               ) -> list[ResourceChange]:
+        with self._lock:
+            if base is not self.config:  # another change landed since it was validated: re-derive
+                config = requested_config(self.config, request)
+            return self._reconcile(config)
+
+    def _reconcile(self, new_config: ResourceConfig) -> list[ResourceChange]:
+        """Bring every role's live workers to what `new_config` says."""
+        changes = []
+        for role in self.roles:
+            start_time = time.perf_counter()
+            live = {w["name"]: w["address"] for w in self.cluster.workers_of(role)}
+            current = [spec for name, spec in self.cluster.specs.items() if name in live]
+            start, retire = plan_change(current, new_config.role(role), self.cluster.next_index(role))
+            regroup = role in TRAINABLE_EXPORTS and self.groups.strategy(role) not in (
+                None, new_config.role(role).strategy)
+            if not start and not retire and not regroup:
+                continue
+            if role in TRAINABLE_EXPORTS:  # every rank of the new group starts from exactly this state
+                self.groups.restore_paths[role] = self._export(role, list(live.values()))
+            added = self.cluster.add_workers(start, self.timeout) if start else {}
+            self._wait_ready(role, list(added.values()))
+            ready = time.perf_counter() - start_time if added else 0.0
+            removed = [live[w.name] for w in retire]
+            if removed:
+                self.cluster.drain(removed, role, self.timeout)
+                self.cluster.retire(removed)
+            spec = new_config.role(role)
+            change = ResourceChange(role, tuple(sorted(added)), tuple(w.name for w in retire),
+                                    tuple(w["name"] for w in self.cluster.workers_of(role)), spec.device_ids,
+                                    spec.strategy, time.perf_counter() - start_time, ready)
+            logger.warning("dask-rl: %s", change)
+            changes.append(change)
+        self.config = new_config
+        return changes
+
+    def _export(self, role: str, members: list[str]) -> str:
+        path = f"{self.snapshot_dir}/{role}-state-v{self.version:06d}.pt"
+        futures = [self.submit(role, TRAINABLE_EXPORTS[role], path, tag=f"resize-r{rank}", workers=[address])
+                   for rank, address in enumerate(self.groups.members(role) or members)]
+        self.wait(role, futures, "exporting its state before a resize")
+        return path
+
+    def _wait_ready(self, role: str, addresses: list[str]) -> None:
+        """Block until each new worker has loaded its model (rollout: and the current weights;
+        a new critic serves values before its first update: it loads the exported state)."""
+        if role == "rollout":
+            futures = [self.submit(role, rollout.sync_weights, self.weights, tag="join", workers=[a])
+                       for a in addresses]
+        else:
+            restore = self.groups.restore_paths.get(role)
+            futures = [self.submit(role, role_ready, role, restore, tag="join", workers=[a]) for a in addresses]
+        self.wait(role, futures, "new workers to load their model")
+
+    # -- adaptive scaling: resources.adaptive decides, update_resource applies ----------------
+    def adapt(self, bounds: dict | None, **policy: Any) -> RoleAdaptive:
+        self.stop_adapting()
+        self._adaptive = start_adaptive(self, bounds, **policy)
+        return self._adaptive
+
+    @property
+    def adapting(self) -> bool:
+        return self._adaptive is not None
+
+    def stop_adapting(self) -> None:
+        """Stop adaptive scaling; a move in progress finishes first (an actor/critic move
+        waits for a step boundary: outside training, this gives it one)."""
+        adaptive, self._adaptive = self._adaptive, None
+        if adaptive is None:
+            return
+        adaptive.stop(timeout=0)
+        deadline = time.monotonic() + self.timeout
+        while adaptive.running and time.monotonic() < deadline:
+            if self._train_thread is None:
+                self.at_boundary()
+            adaptive.stop(timeout=0.2)
+
+    def close(self) -> None:
+        """Stop adapting, delete the weight snapshots and close the cluster this fleet
+        started (a cluster passed in stays up)."""
+        self.stop_adapting()
+        for address in self.addresses("actor"):  # snapshots live on the actor's host
+            self.client.run(shutil.rmtree, self.snapshot_dir, True, workers=[address])
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if self._owns_cluster:
+            self.cluster.close()

@@ -1,0 +1,79 @@
+"""What a placement change is: the request, its validation against the current placement,
+and the report of what it changed. The Fleet applies it (fleet.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from pipeline.roles import actor, critic
+from resources.config import ResourceConfig, RoleSpec
+from resources.validate import with_role
+
+# The roles whose state lives in a process group: a resize exports it first (these tasks).
+TRAINABLE_EXPORTS = {"actor": actor.export_state, "critic": critic.export_state}
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """One update_resource call: give `component` these devices or this many workers."""
+
+    component: str
+    device_ids: Sequence[int] | None = None
+    strategy: str | None = None
+    workers: int | None = None
+    device_type: str | None = None
+
+
+@dataclass(frozen=True)
+class ResourceChange:
+    """What one update_resource call changed for one role."""
+
+    role: str
+    added: tuple[str, ...]       # worker names started
+    removed: tuple[str, ...]     # worker names drained and retired
+    workers: tuple[str, ...]     # the role's workers afterwards
+    devices: tuple[int, ...]     # its GPUs afterwards (empty on CPU)
+    strategy: str
+    seconds: float               # the whole change: start, load, drain, retire
+    ready_seconds: float = 0.0   # from the call to the new workers' first task done (0 if none added)
+
+    def __str__(self) -> str:
+        where = f"GPUs {list(self.devices)}" if self.devices else f"{len(self.workers)} CPU workers"
+        return (f"{self.role}: +{list(self.added)} -{list(self.removed)} -> {where}, strategy "
+                f"{self.strategy} ({self.seconds:.1f}s)")
+
+
+def requested_config(config: ResourceConfig, request: ResourceRequest) -> ResourceConfig:
+    """The whole placement after `request`, validated like a fresh file (the one validation a
+    request gets); errors name the argument and the fix."""
+    return with_role(config, requested_spec(config, request))
+
+
+def requested_spec(config: ResourceConfig, request: ResourceRequest) -> RoleSpec:
+    component, device_ids, workers, device_type = (request.component, request.device_ids, request.workers,
+                                                   request.device_type)
+    if component not in config.roles:
+        raise ValueError(f"update_resource: unknown component {component!r}. Fix: use one of {sorted(config.roles)}.")
+    current = config.role(component)
+    kind = device_type or current.device_type
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"update_resource: device_type={device_type!r}. Fix: use 'cuda' or 'cpu'.")
+    if kind == "cuda":
+        if workers is not None and device_ids is None:
+            raise ValueError(f"update_resource: {component} runs on GPUs; give device_ids=[...] rather than "
+                             f"workers=, or device_type='cpu' to move it to CPU workers")
+        if device_ids is None and current.device_type != "cuda":
+            raise ValueError(f"update_resource: moving {component} to GPUs needs device_ids=[...]")
+        ids = tuple(current.device_ids if device_ids is None else device_ids)
+        spec = replace(current, device_type="cuda", device_ids=ids, workers=len(ids), placed_with=None)
+    else:
+        if device_ids:
+            raise ValueError(f"update_resource: {component} runs on CPU workers; give workers=N, not device_ids "
+                             f"(or device_type='cuda' to move it to GPUs)")
+        count = workers if workers is not None else (current.workers if current.device_type == "cpu" else 1)
+        spec = replace(current, device_type="cpu", device_ids=(), workers=count, placed_with=None)
+    if spec.workers < 1:
+        raise ValueError(f"update_resource: that would remove the last {component} worker. Fix: keep at least one "
+                         f"device or worker for {component}; move it elsewhere by giving the new one in the same call.")
+    return replace(spec, strategy=request.strategy or spec.strategy)

@@ -1,0 +1,62 @@
+"""Adaptive scaling's moves: resources.adaptive decides from the roles' queues, these apply
+a decision as update_resource requests on the fleet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.fleet.reconcile import ResourceRequest
+from resources.adaptive import RoleAdaptive
+
+# `fleet` below is the Fleet (fleet.py imports this module, so it is not imported here).
+
+
+def start_adaptive(fleet, bounds, *, interval: float, wait_count: int, **policy: Any) -> RoleAdaptive:
+    """Adapt the bounded roles (None: the resource file's `adaptive:` section)."""
+    config = fleet.config
+    bounds = config.adaptive if bounds is None else bounds
+    if not bounds:
+        raise ValueError("adapt: no bounds. Fix: pass bounds={'rollout': (1, 3), ...} or add an "
+                         "`adaptive:` section to the resource file")
+    scalable = [r for r in fleet.roles if not config.role(r).placed_with]
+    for role in bounds:
+        if role not in scalable:
+            raise ValueError(f"adapt: {role!r} cannot be scaled on its own here. Fix: bound one of {scalable}")
+    return RoleAdaptive(
+        fleet.client, bounds, move=lambda source, target, reason: move_one(fleet, source, target),
+        resize=lambda role, workers, reason: resize_role(fleet, role, workers), interval=interval,
+        wait_count=wait_count, pools={role: config.role(role).device_type for role in bounds},
+        decisions=fleet.adaptive_decisions, **policy).start()
+
+
+def move_one(fleet, source: str, target: str) -> None:
+    """One worker (CPU roles) or device (GPU roles) from `source` to `target`."""
+    take, give = fleet.config.role(source), fleet.config.role(target)
+    if take.device_type == "cpu":  # shrink first: the freed core goes to the new worker
+        first = (ResourceRequest(source, workers=take.workers - 1), ResourceRequest(source, workers=take.workers))
+        second = ResourceRequest(target, workers=give.workers + 1)
+    else:
+        device = take.device_ids[-1]
+        remove = (ResourceRequest(source, device_ids=[i for i in take.device_ids if i != device]),
+                  ResourceRequest(source, device_ids=list(take.device_ids)))
+        add = (ResourceRequest(target, device_ids=[*give.device_ids, device]),
+               ResourceRequest(target, device_ids=list(give.device_ids)))
+        # Shared devices may briefly hold both roles: the target gets it before the source lets go.
+        (first, second) = (add, remove[0]) if fleet.config.allow_shared_devices else (remove, add[0])
+    fleet.update_resource(first[0])
+    try:
+        fleet.update_resource(second)
+    except Exception:
+        fleet.update_resource(first[1])  # undo: the device goes back where it was
+        raise
+
+
+def resize_role(fleet, role: str, workers: int) -> None:
+    spec = fleet.config.role(role)
+    if spec.device_type == "cpu":
+        fleet.update_resource(ResourceRequest(role, workers=workers))
+    elif workers <= len(spec.device_ids):
+        fleet.update_resource(ResourceRequest(role, device_ids=list(spec.device_ids[:workers])))
+    else:
+        raise ValueError(f"adapt: {role} cannot grow to {workers} GPUs: no spare GPU is known; it can only "
+                         f"take one from another role")

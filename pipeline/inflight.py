@@ -1,0 +1,80 @@
+"""The batches in flight: each step's prompts submitted for generation, and scoring,
+reference and critic passes chained on each shard as it lands, `max_staleness` steps ahead
+of the update that consumes them."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from pipeline.config import TrainConfig
+from pipeline.data import PromptStream
+from pipeline.records import GenerationRequest
+from pipeline.roles import critic, reference, reward, rollout
+
+logger = logging.getLogger("dask_rl")
+
+
+@dataclass
+class InFlightBatch:
+    """One step's data while it is being generated and scored: futures, one per shard."""
+
+    index: int
+    version: int              # policy version the rollouts are generated with
+    rollouts: list
+    scores: list
+    ref_logprobs: list        # empty without a reference model (kl_coef 0)
+    values: list              # empty for GRPO
+
+    @property
+    def futures(self) -> list:
+        return self.rollouts + self.scores + self.ref_logprobs + self.values
+
+
+class InFlight:
+    def __init__(self, fleet, prompts: PromptStream, train_config: TrainConfig, roles: tuple[str, ...]):
+        self.fleet, self.prompts, self.train_config, self.roles = fleet, prompts, train_config, roles
+        self._pending: deque[InFlightBatch] = deque()
+        self._submitted = 0
+
+    def next(self, version: int, weights) -> InFlightBatch:
+        """The oldest in-flight batch no more than max_staleness versions old (older ones are
+        dropped, never trained on), with the pipeline refilled behind it."""
+        tc = self.train_config
+        batch = self._pending.popleft() if self._pending else self._submit(version, weights)
+        while version - batch.version > tc.max_staleness:
+            logger.warning("dask-rl: dropping a batch of version %d (now %d, max_staleness %d)",
+                           batch.version, version, tc.max_staleness)
+            batch = self._pending.popleft() if self._pending else self._submit(version, weights)
+        while len(self._pending) < tc.max_staleness:
+            self._pending.append(self._submit(version, weights))
+        return batch
+
+    def _submit(self, version: int, weights) -> InFlightBatch:
+        """Submit generation for one step's prompts, and scoring that starts as each shard lands."""
+        tc, fleet = self.train_config, self.fleet
+        prompts, draws = self.prompts.next_batch(tc.prompts_per_step)
+        n_shards = max(1, min(len(fleet.addresses("rollout")), len(prompts)))
+        index, self._submitted = self._submitted, self._submitted + 1
+        batch = InFlightBatch(index, version, [], [], [], [])
+        for shard in range(n_shards):
+            request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
+                                        samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,
+                                        temperature=tc.temperature, seed=tc.seed * 1_000_003 + index * 1009 + shard)
+            tag = f"{index}-{shard}"
+            generated = fleet.submit("rollout", rollout.generate, request, weights, tag=tag)
+            batch.rollouts.append(generated)
+            batch.scores.append(fleet.submit("reward", reward.score, generated, tag=tag))
+            if "reference" in self.roles:
+                batch.ref_logprobs.append(fleet.submit("reference", reference.ref_logprobs, generated,
+                                                       tc.temperature, tag=tag))
+            if "critic" in self.roles:
+                batch.values.append(fleet.submit("critic", critic.values, generated, tc.micro_batch_size, tag=tag))
+        return batch
+
+    def cancel(self) -> None:
+        """Drop the batches still in flight (at close)."""
+        for batch in self._pending:
+            self.fleet.client.cancel(batch.futures)
+        self._pending.clear()
