@@ -288,8 +288,7 @@ class BroadcastChannel:
     Tensors travel in flat buckets of about 256 MB, one dtype each, as integer views.
     """
 
-    def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_seconds: float = 300.0):
+    def __init__(self, init_method: str, rank: int, world_size: int, backend: str, timeout_seconds: float):
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method must read tcp://host:port, not {init_method!r}")

@@ -11,29 +11,24 @@ Three layers, each usable alone:
    `RoleLoadPlugin` integrates each worker's busy time, `role_sample` reads it together
    with each role's backlog in one scheduler call, and `loads_between` turns two samples
    into `RoleLoad`s (how loaded each role was over the window).
-3. The loop (here): `RoleAdaptive`, one coordinating instance over all bounded roles, built
-   on distributed's `AdaptiveCore`. It measures every `interval` seconds, asks the policy,
-   logs every decision with its reason (logger "dask_rl"), keeps them in `.decisions`,
-   and applies them through callbacks the caller supplies (`move`, `resize`), so this
-   package never imports the pipeline.
+3. The loop (here): `RoleAdaptive`, one coordinating instance over all bounded roles. It
+   measures every `interval` seconds, asks the policy, logs every decision with its reason
+   (logger "dask_rl"), keeps them in `.decisions` and `.log`, and applies them through
+   callbacks the caller supplies (`move`, `resize`), so this package never imports the
+   pipeline.
 
-Why AdaptiveCore and one instance, not `distributed.deploy.Adaptive` per role: a move
-takes from one role what it gives another, so it has to be one decision over all roles;
-two per-role instances would grow and shrink independently. `Adaptive` also belongs to a
-`Cluster` (plan/requested/observed from `cluster.worker_spec`, `scale_up` = homogeneous
-`cluster.scale(n)`) and runs `adapt()` on the cluster's event loop, where the trainer's
-blocking `update_resource` (it waits for workers to load and drain) would block the very
-loop it waits on; and a trainer joined to a remote scheduler has no SpecCluster at all.
-`AdaptiveCore` is the cluster-free half: we keep its contract (plan/requested/observed,
-`target`, `safe_target` clamped to `minimum`/`maximum`, `recommendations` ->
-`{"status": ...}`, the non-overlapping `adapt()` and its `log`), where the count is the
-total of the bounded roles (a move keeps it; min = sum of mins, max = sum of maxes),
-extend the statuses with "move", and drive `adapt()` from a background thread.
+Why not distributed's `Adaptive`/`AdaptiveCore`: their contract is one worker count
+(`target`) for one homogeneous pool, scaled up or down by `scale_up(n)`/`scale_down`. A move
+takes from one role what it gives another, so the decision is a pair of roles, not a
+count; `Adaptive` also runs `adapt()` on the cluster's event loop, where the trainer's
+blocking update_resource (it waits for workers to load and drain) would block the very
+loop it waits on, and a trainer joined to a remote scheduler has no SpecCluster at all.
+What is kept from them is the shape: observe, recommend after `wait_count` consecutive
+observations, never two adapt() at once, a log of (time, recommendation).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -41,8 +36,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
-
-from distributed.deploy.adaptive_core import AdaptiveCore
 
 from resources.config import AdaptiveBounds
 # The measurement moved to resources.load; these stay importable from here.
@@ -186,7 +179,7 @@ def decide(loads: Mapping[str, RoleLoad], *, thresholds: Thresholds = Thresholds
 
 
 # -- 3. the loop -------------------------------------------------------------------------
-class RoleAdaptive(AdaptiveCore):
+class RoleAdaptive:
     """Watches the bounded roles and applies the policy's decisions through callbacks.
 
     Args:
@@ -214,8 +207,9 @@ class RoleAdaptive(AdaptiveCore):
             if not 1 <= b.minimum <= b.maximum:
                 raise ValueError(f"adaptive bounds for {role}: need 1 <= min <= max, got min={b.minimum} "
                                  f"max={b.maximum}")
-        super().__init__(minimum=sum(b.minimum for b in self.bounds.values()),
-                         maximum=sum(b.maximum for b in self.bounds.values()), wait_count=wait_count)
+        self.wait_count = wait_count
+        self.log: deque[tuple[float, dict]] = deque(maxlen=1000)   # (time, {"status", "reason"}) per action
+        self._adapting = False
         self.client, self._move, self._resize = client, move, resize
         self.interval = interval
         self.window = window if window is not None else max(interval * wait_count, 5.0)
@@ -229,26 +223,8 @@ class RoleAdaptive(AdaptiveCore):
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    # AdaptiveCore's contract: the count is the bounded roles' total workers.
-    @property
-    def observed(self) -> set:
-        return {w["name"] for w in (self._samples[-1]["workers"].values() if self._samples else ())}
-
-    plan = requested = observed
-
-    async def target(self) -> int:
-        return sum(load.workers for load in self.loads.values())
-
-    async def workers_to_close(self, target: int) -> list:
-        return []
-
-    async def scale_up(self, n: int) -> None:  # the policy's grow/shrink go through resize()
-        raise NotImplementedError("RoleAdaptive grows roles through its resize callback")
-
-    async def scale_down(self, workers) -> None:
-        raise NotImplementedError("RoleAdaptive shrinks roles through its resize callback")
-
-    async def recommendations(self, target: int) -> dict:
+    def recommendations(self) -> dict:
+        """{"status": "same"}, or the first decision the policy makes on the current loads."""
         streaks = self.hysteresis.observe({role: classify(load, self.thresholds) for role, load in self.loads.items()})
         decisions = decide(self.loads, thresholds=self.thresholds, streaks=streaks, wait_count=self.wait_count,
                            spare=self.spare)
@@ -264,8 +240,8 @@ class RoleAdaptive(AdaptiveCore):
         self.loads = loads_between(before, sample, self.bounds, self.pools)
         return self.loads
 
-    async def adapt(self) -> None:
-        """Observe, recommend, act: AdaptiveCore.adapt with a "move" status."""
+    def adapt(self) -> None:
+        """Observe, recommend, act (one call at a time)."""
         if self._adapting:
             return
         self._adapting = True
@@ -273,7 +249,7 @@ class RoleAdaptive(AdaptiveCore):
             self.observe()
             if self._samples[0] is self._samples[-1]:
                 return  # the first sample: no window yet
-            recommendation = await self.recommendations(await self.safe_target())
+            recommendation = self.recommendations()
             if recommendation["status"] == "same":
                 return
             if self._stop.is_set():  # stopped while observing: start no change now
@@ -327,7 +303,7 @@ class RoleAdaptive(AdaptiveCore):
         errors = 0
         while not self._stop.wait(self.interval):
             try:
-                asyncio.run(self.adapt())
+                self.adapt()
                 errors = 0
             except Exception as error:  # one bad reading is skipped; the cluster gone away stops it
                 if self._stop.is_set():

@@ -86,6 +86,32 @@ def _executing_count(dask_worker=None) -> int:
     return len(dask_worker.state.executing)
 
 
+class RoleSpecCluster(SpecCluster):
+    """SpecCluster whose new workers are named role workers rather than copies of one template.
+
+    Scaling goes through SpecCluster's own contract: `scale(n)` asks `new_worker_spec()` for
+    each worker it adds, and `scale_down(names)` removes named ones; SpecCluster then starts
+    and stops processes to match its spec. `add` queues the specs `new_worker_spec` hands out.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._joining: list[tuple[str, dict]] = []
+        super().__init__(*args, **kwargs)
+
+    def new_worker_spec(self) -> dict:
+        if not self._joining:
+            raise RuntimeError("RoleSpecCluster grows only through add(); scale(n) alone has no role to give")
+        name, spec = self._joining.pop(0)
+        return {name: spec}
+
+    def add(self, specs: dict[str, dict]) -> None:
+        self._joining.extend(specs.items())
+        self.scale(len(self.worker_spec) + len(specs))
+
+    def remove(self, names: list[str]) -> None:
+        self.sync(self.scale_down, names)
+
+
 class RoleCluster:
     """A local Dask cluster with role-tagged workers, and the client the trainer uses.
 
@@ -102,14 +128,14 @@ class RoleCluster:
         self.specs: dict[str, WorkerSpec] = {w.name: w for w in workers}
         scheduler = {"cls": Scheduler, "options": {"dashboard_address": dashboard_address,
                                                    "host": scheduler_address}}
-        self.cluster = SpecCluster(
+        self.cluster = RoleSpecCluster(
             workers={name: dask_worker_spec(w) for name, w in self.specs.items()},
             scheduler=scheduler, silence_logs=silence_logs, name="dask-rl",
         )
         self.client = Client(self.cluster, direct_to_workers=True)
 
     @classmethod
-    def connect(cls, address: str, roles: Iterable[str] = (), timeout: float = 180.0) -> RoleCluster:
+    def connect(cls, address: str, roles: Iterable[str] = (), *, timeout: float) -> RoleCluster:
         """Join the scheduler at `address` and wait until every role in `roles` has a worker.
 
         No scheduler and no worker is started: the workers are `dask-rl worker` processes
@@ -183,14 +209,11 @@ class RoleCluster:
         executes any task, so it takes work only once its model is loaded.
         """
         workers = list(workers)
-        for worker in workers:
-            self.specs[worker.name] = worker
-            if self.cluster is not None:
-                self.cluster.worker_spec[worker.name] = dask_worker_spec(worker)
+        self.specs.update((w.name, w) for w in workers)
         if self.launcher is not None:  # connected: Nannies on this host, pointed at the remote scheduler
             self.launcher.start(workers, timeout)
         else:
-            self.cluster.sync(self.cluster._correct_state)
+            self.cluster.add({w.name: dask_worker_spec(w) for w in workers})
         return self._wait_for_names({w.name for w in workers}, timeout)
 
     def _wait_for_names(self, names: set[str], timeout: float) -> dict[str, str]:
@@ -231,12 +254,10 @@ class RoleCluster:
         self.client.retire_workers(workers=addresses, close_workers=True)
         for name in names:
             self.specs.pop(name, None)
-            if self.cluster is not None:
-                self.cluster.worker_spec.pop(name, None)
         if self.launcher is not None:
             self.launcher.stop(names)
         else:
-            self.cluster.sync(self.cluster._correct_state)
+            self.cluster.remove(names)
 
     def close(self) -> None:
         """Stop what this object started; a connected one leaves the scheduler running."""

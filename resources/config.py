@@ -110,11 +110,16 @@ class AdaptiveBounds:
     maximum: int
 
 
+# The one bound on every wait of a run (a role's tasks, a worker's start, a drain, a
+# rendezvous), unless the resource file says otherwise.
+DEFAULT_TIMEOUT_SECONDS = 180.0
+
+
 @dataclass(frozen=True)
 class ResourceConfig:
     roles: Mapping[str, RoleSpec]  # all of ROLES, in ROLES order
     comm_backend: str = "auto"  # as written; see resolved_comm_backend
-    timeout_seconds: float = 180.0
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     allow_shared_devices: bool = False
     allow_busy_devices: bool = False
     adaptive: Mapping[str, AdaptiveBounds] = field(default_factory=FrozenMap)

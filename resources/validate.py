@@ -19,7 +19,7 @@ from typing import Any
 from resources import devices
 from resources.config import (
     _TRAINED_ROLES, COMM_BACKENDS, DEVICE_TYPES, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
-    TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
+    DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
     ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
 from resources.devices import GpuInfo
@@ -137,7 +137,7 @@ class _Parser:
             roles=FrozenMap(self.roles(data)),
             comm_backend=self.scalar(data, "comm_backend", "auto", COMM_BACKENDS.__contains__,
                                      "not a backend", "use nccl, gloo or auto"),
-            timeout_seconds=float(self.scalar(data, "timeout_seconds", 180.0, _is_positive_number,
+            timeout_seconds=float(self.scalar(data, "timeout_seconds", DEFAULT_TIMEOUT_SECONDS, _is_positive_number,
                                               "expected a number of seconds > 0, not inf or nan",
                                               "use e.g. timeout_seconds: 180")),
             allow_shared_devices=self.flag(data, "allow_shared_devices"),

@@ -72,9 +72,16 @@ def generate(request: GenerationRequest, handle: weights.WeightHandle | None,
 
 
 def sync_weights(handle: weights.WeightHandle | None) -> int:
-    """Task: load `handle`'s weights now (a joining worker warms up before its first batch)."""
+    """Task: load `handle`'s weights now (a joining worker warms up before its first batch).
+
+    While the worker started, training went on: when `handle`'s version has been replaced
+    by newer ones and deleted, the worker keeps what it has, and its first generate task
+    brings the version it needs."""
     role = role_state("rollout")
-    role.sync(handle)
+    try:
+        role.sync(handle)
+    except FileNotFoundError:
+        pass
     return role.version
 
 

@@ -32,13 +32,12 @@ class ChannelInfo:
 
     init_method: str         # tcp://host:port of actor rank 0's worker (it hosts the TCPStore)
     world_size: int          # 1 sender + the rollout receivers
-    backend: str = "gloo"    # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
-    timeout_seconds: float = 300.0
+    backend: str             # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    timeout_seconds: float   # the resource file's timeout_seconds
     rank: int = 0
 
 
-def channel_infos(init_method: str, receivers: int, backend: str = "gloo",
-                  timeout_seconds: float = 300.0) -> list[ChannelInfo]:
+def channel_infos(init_method: str, receivers: int, backend: str, timeout_seconds: float) -> list[ChannelInfo]:
     """Rank 0 (the actor) first, then one per receiver."""
     base = ChannelInfo(init_method, receivers + 1, backend, timeout_seconds)
     return [replace(base, rank=rank) for rank in range(receivers + 1)]
@@ -114,7 +113,7 @@ def receive_weights(channel: ChannelInfo, version: int, layout: Layout) -> dict:
 
 
 def broadcast_weights(client, version: int, layout: Layout, actor_address: str, rollout_addresses: list[str],
-                      init_method: str, backend: str = "gloo", timeout_seconds: float = 300.0) -> list:
+                      init_method: str, backend: str, timeout_seconds: float) -> list:
     """Driver side: submit the sender and every receiver together; futures, sender first."""
     infos = channel_infos(init_method, len(rollout_addresses), backend, timeout_seconds)
     futures = [submit(client, "actor", send_weights, infos[0], version, tag=f"v{version}", workers=[actor_address])]

@@ -13,7 +13,7 @@ from pipeline.records import GenerationRequest, Rollout
 from pipeline.rewards import digit_fraction
 from pipeline.roles import reward, rollout
 from pipeline.roles.reward import RewardRole
-from pipeline.tasks import RoleTimeout, submit, wait_role
+from pipeline.fleet.tasks import RoleTimeout, submit, wait_role
 from pipeline.trainer import HybridTrainer
 
 PAD, EOS = 0, 1  # the char tokenizer's specials; 'a' is 2, '0' is 28, ' ' is 38

@@ -170,7 +170,7 @@ def test_sync_tasks_load_actor_weights_into_rollout(pair, tiny_model):
     init_method = _init_method(client, actor_addr)
     for version in (1, 2):
         want = client.submit(_perturb, version, resources={"actor": 1}, pure=False).result(60)
-        futures = sync.broadcast_weights(client, version, layout, actor_addr, [rollout_addr], init_method,
+        futures = sync.broadcast_weights(client, version, layout, actor_addr, [rollout_addr], init_method, "gloo",
                                          timeout_seconds=60)
         sent, received = client.gather(futures)
         assert sent["opened"] == received["opened"] == (version == 1)
