@@ -65,7 +65,7 @@ def test_graph_loop_stops_at_eos(model):
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda")
     lm_head = model.get_output_embeddings()
     hook = lm_head.register_forward_hook(lambda m, a, out: out.index_add_(
-        -1, torch.tensor([1], device=out.device), torch.full((*out.shape[:-1], 1), 6.0, device=out.device,
+        -1, torch.tensor([1], device=out.device), torch.full((*out.shape[:-1], 1), 12.0, device=out.device,
                                                               dtype=out.dtype)))
     try:
         rollout = engine.generate(_request(new=200), 0)
