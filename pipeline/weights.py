@@ -110,6 +110,13 @@ def receive(handle: WeightHandle, snapshot: bytes | None = None) -> dict[str, to
 
 # -- shm / dask: safetensors files ---------------------------------------------------------------
 
+def to_device(state: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """`state` on `device`, each tensor moved once: tied entries (one tensor under two names,
+    e.g. embeddings and lm_head) stay one tensor."""
+    moved = {id(t): t.to(device) for t in state.values()}
+    return {name: moved[id(t)] for name, t in state.items()}
+
+
 def _ties(state: dict[str, torch.Tensor]) -> dict[str, str]:
     """{alias: first name} for entries that are the very same view of the same memory."""
     first: dict[tuple, str] = {}
@@ -362,11 +369,7 @@ class BroadcastChannel:
             work.wait()
         state = _finish(out, layout)
         device = torch.device(device) if device is not None else self.device
-        if device != self.device:
-            moved = {id(t): t for t in state.values()}
-            moved = {key: t.to(device) for key, t in moved.items()}   # ties stay tied
-            state = {name: moved[id(t)] for name, t in state.items()}
-        return state
+        return to_device(state, device) if device != self.device else state
 
     def close(self) -> None:
         try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pipeline.roles.host import role_state
-from pipeline.weights import BroadcastChannel, Layout, tensor_layout
+from pipeline.weights import BroadcastChannel, Layout, tensor_layout, to_device
 from resources.cluster import submit
 
 _CHANNELS: dict[str, BroadcastChannel] = {}   # init_method -> the channel open in this process
@@ -90,7 +90,7 @@ def send_weights(channel: ChannelInfo, version: int) -> dict:
     sender, opened = open_channel(channel)
     rendezvous = time.perf_counter() - start
     if sender.device.type == "cuda":
-        state = _to_device(state, sender.device)
+        state = to_device(state, sender.device)
     nbytes = sender.send(state, version)
     return {"version": version, "bytes": nbytes, "seconds": time.perf_counter() - start,
             "rendezvous_seconds": rendezvous, "opened": opened}
@@ -121,8 +121,3 @@ def broadcast_weights(client, version: int, layout: Layout, actor_address: str, 
                        workers=[address])
                 for info, address in zip(infos[1:], rollout_addresses)]
     return futures
-
-
-def _to_device(state: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    moved = {id(t): t.to(device) for t in state.values()}   # ties stay tied
-    return {name: moved[id(t)] for name, t in state.items()}
