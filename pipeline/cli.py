@@ -147,6 +147,10 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     # A bad file is the user's to fix: one line naming the key and the fix, no traceback.
     try:
         run = load_run_file(path)
+        if run.resources.role("rollout").strategy == "vllm":
+            from pipeline.engines.vllm import require_vllm
+
+            require_vllm()  # the local workers run this Python: fail before they start
         if steps is not None:
             run = replace(run, train=make_train_config({"steps": steps}, source="--steps", base=run.train))
         inputs = dict(run.inputs)

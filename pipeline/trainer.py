@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from pipeline import weights
 from pipeline.config import make_train_config
 from pipeline.data import PromptStream, encode_prompts, read_prompts
+from pipeline.engines import vllm as vllm_engine
 from pipeline.experience import build_experience
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
 from pipeline.metrics import PhaseTimer, StepRecord, normalise_update_stats, sum_stats
@@ -57,6 +58,11 @@ class HybridTrainer:
                  cluster: RoleCluster | None = None, scheduler_address: str | None = None,
                  dashboard_address: str = ":8787", show_progress: bool = True, **train: Any):
         self.train_config = tc = make_train_config({"algorithm": algorithm, **train})
+        uses_vllm = config.role("rollout").strategy == "vllm"
+        if uses_vllm and cluster is None and scheduler_address is None:
+            # The local workers run this Python: without vllm they would start, load every other
+            # role's model and only then fail in the rollout worker. Fail first, with the fix.
+            vllm_engine.require_vllm()
         if prompts is None:
             raise ValueError("prompts: give a list of strings, a .jsonl/.parquet path or a datasets.Dataset")
         self.output_dir = Path(output_dir or tempfile.mkdtemp(prefix="dask-rl-"))
@@ -74,6 +80,9 @@ class HybridTrainer:
         self.fleet = Fleet(config, self.roles, snapshot_dir=str(weights.default_snapshot_dir(run_id)),
                            weight_sync=tc.weight_sync, cluster=cluster, scheduler_address=scheduler_address,
                            dashboard_address=dashboard_address)
+        if uses_vllm and (cluster is not None or scheduler_address is not None):
+            # Workers started elsewhere may run another Python: ask them, before any model loads.
+            vllm_engine.require_vllm_on(self.fleet.client, self.fleet.addresses("rollout"))
         recipes = role_recipes(tc, config, self.roles, self.actor_dir, self.output_dir, reward_model=reward_model,
                                critic_model=critic_model, reference_model=reference_model)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores

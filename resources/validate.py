@@ -16,13 +16,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from resources import devices
+from resources import devices, vllm_keys
 from resources.config import (
     _TRAINED_ROLES, COMM_BACKENDS, DEVICE_TYPES, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
     DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
     ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
 from resources.devices import GpuInfo
+from resources.vllm_keys import SET_BY_DASK_RL
 from resources.yaml_reader import read_yaml
 
 __all__ = ["load_resource_config", "parse_resource_config", "with_role"]
@@ -258,6 +259,16 @@ class _Parser:
         if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
             raise self.error(path, args, "not a mapping of vLLM engine arguments",
                              "write e.g. vllm_args: {gpu_memory_utilization: 0.85}")
+        for key in args:  # caught here, not as a TypeError once the engine starts on a worker
+            if key in SET_BY_DASK_RL:
+                raise self.error(f"{path}.{key}", args[key], "set by dask-rl's rollout engine",
+                                 SET_BY_DASK_RL[key])
+            if not vllm_keys.accepts(key):
+                hint = _did_you_mean(key, sorted(vllm_keys.ENGINE_KEYS))
+                raise self.error(f"{path}.{key}", _MISSING, f"not an argument vLLM's engine accepts{hint}",
+                                 "use a field of vllm.engine.arg_utils.EngineArgs (vllm "
+                                 f"{vllm_keys.VLLM_VERSION}: resources/vllm_keys.py lists them), e.g. "
+                                 "max_model_len, gpu_memory_utilization, enforce_eager")
         # Each rollout worker owns exactly one GPU, so a tensor-parallel engine cannot start.
         if args.get("tensor_parallel_size", 1) != 1:
             raise self.error(f"{path}.tensor_parallel_size", args["tensor_parallel_size"],

