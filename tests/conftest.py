@@ -47,3 +47,20 @@ def shared_cluster(shared_config):
 @pytest.fixture(scope="session")
 def prompts() -> list[str]:
     return [f"what is {a} plus {b}? answer: " for a in range(8) for b in range(4)]
+
+
+# Figures a test measured (e.g. how far vLLM's logprobs are from the actor's), printed in the
+# run's summary: the numbers a reviewer asks for, without digging through captured output.
+_MEASURED: list[str] = []
+
+
+@pytest.fixture
+def measured():
+    return _MEASURED.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measured")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)

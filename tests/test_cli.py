@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -63,6 +64,20 @@ def test_a_malformed_prompt_line_exits_2_naming_the_file_and_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"{prompts} line 2: not valid JSON" in lines[0] and "Fix: write one JSON object per line" in lines[0]
+    assert not (tmp_path / "out").exists()  # failed before anything started
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_strategy_vllm_without_vllm_exits_2_with_the_install_hint_before_anything_starts(tmp_path):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(QUICKSTART.read_text().replace("strategy: hf}", "strategy: vllm}")
+                        .replace("quickstart_prompts.jsonl", str(ROOT / "examples" / "quickstart_prompts.jsonl")))
+    assert "strategy: vllm" in run_file.read_text()
+    result = dask_rl("run", str(run_file), "--output-dir", str(tmp_path / "out"), timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "rollout.strategy: vllm, but vllm is not installed" in lines[0] and "scripts/vllm_venv.sh" in lines[0]
     assert not (tmp_path / "out").exists()  # failed before anything started
 
 
