@@ -5,7 +5,10 @@
 # one; the project itself works with either. About 3.5 GB, most of it downloaded.
 #
 #   VENV=/tmp/vllm-venv bash scripts/vllm_venv.sh
-#   cd <repo> && $VENV/bin/python -m pytest tests/pipeline/test_vllm_engine.py -q -p no:cacheprovider
+#   cd <repo> && PYTHONPATH=$PWD $VENV/bin/python -m pytest -q -m vllm -p no:cacheprovider
+#
+# .ci/run builds it with this script into ~/.cache/dask-rl and reuses it while this file and
+# pyproject.toml stay the same.
 set -euo pipefail
 
 VENV=${VENV:-/tmp/vllm-venv}
