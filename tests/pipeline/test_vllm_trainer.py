@@ -19,7 +19,7 @@ from pipeline.rewards import digit_fraction
 from pipeline.roles import rollout
 from pipeline.roles.forward import response_logprobs
 from pipeline.roles.host import role_state
-from pipeline.tasks import submit
+from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
 from resources import load_resource_config
 from resources.validate import with_role
@@ -144,7 +144,7 @@ def test_ppo_with_vllm_rollouts_updates_the_engine_in_place(prompts, tmp_path, m
     config = load_resource_config(VLLM_LAYOUT)
     with HybridTrainer(model_dir, digit_fraction, config, algorithm="ppo", prompts=prompts, steps=3,
                        output_dir=str(tmp_path / "out"), dashboard_address=":0", **SMALL) as trainer:
-        client = trainer.client
+        client = trainer.fleet.client
 
         def on_step(record):
             published[record.policy_version] = {k: v.clone() for k, v in weights.receive(trainer.weights).items()}
