@@ -177,6 +177,8 @@ class HybridTrainer:
                 if attempt == 2 or not lost:
                     raise
                 logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
+                for role in lost:
+                    self.fleet.free_survivors(role)
 
     def _lost_trainable_roles(self) -> list[str]:
         return [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]

@@ -137,6 +137,15 @@ class Fleet:
         members = self.groups.members(role)
         return members is not None and not set(members) <= set(self.addresses(role))
 
+    def free_survivors(self, role: str) -> None:
+        """After a rank was lost: the group's other ranks may sit in a collective waiting for
+        it; a rank still busy after a short grace is restarted (it rebuilds from the saved
+        state like the replacement does)."""
+        survivors = [a for a in self.groups.members(role) or () if a in self.addresses(role)]
+        restarted = self.cluster.unblock(survivors, grace=min(5.0, self.timeout), timeout=self.timeout)
+        if restarted:
+            logger.warning("dask-rl: %s ranks %s were stuck waiting for the lost one; restarted them", role, restarted)
+
     def await_replacements(self, role: str) -> None:
         """After a lost rank: wait (bounded by the timeout) until the role has as many workers
         as its placement says (a killed worker process is restarted by its Nanny and reloads
