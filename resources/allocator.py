@@ -20,6 +20,7 @@ imports this package must not load them.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, TypeVar
 
@@ -126,7 +127,8 @@ class Degradation:
         return f"{self.role}: {self.what}: {self.before} -> {self.after} {self.unit} ({self.cause}: {self.detail})"
 
 
-_REPORTED: list[Degradation] = []   # this process's degradations, oldest first
+# This process's latest degradations, oldest first (bounded: a worker lives for a whole run).
+_REPORTED: deque[Degradation] = deque(maxlen=1000)
 
 
 def reported() -> list[Degradation]:

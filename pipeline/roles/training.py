@@ -135,9 +135,10 @@ class Trainable:
         """Accumulate gradients of `loss_fn` over the micro-batches `split(rows)`, reduce
         across ranks, step.
 
-        `rows` starts at what free memory allows (at most `max_rows`); an out-of-memory error
-        halves it and the same step is redone from zero gradients, so the result does not
-        depend on it. `loss_fn` must already divide by the global token count (see the
+        `rows` starts at what free memory allows (at most `max_rows`), the smallest any rank
+        allows; an out-of-memory error on any rank halves it on every rank and the same step
+        is redone from zero gradients, so the result does not depend on it (under FSDP an
+        out-of-memory error is raised: see below). `loss_fn` must already divide by the global token count (see the
         module docstring). Returns the summed stats of the micro-batches plus the gradient norm.
         """
         # Eval mode, i.e. dropout off, while computing gradients: the proximal log-probs and
