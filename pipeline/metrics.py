@@ -36,6 +36,11 @@ class StepRecord:
     staleness: float                  # mean (current version - generating version) of the batch
     losses: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
+    # Work the workers made smaller to fit GPU memory during the step, one line each
+    # ("role: what: before -> after unit (cause: detail)"), and how many of them an
+    # out-of-memory error forced (the others were planned smaller from a memory reading).
+    degradations: list[str] = field(default_factory=list)
+    oom_backoffs: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -28,6 +28,7 @@ from pipeline.inflight import InFlight
 from pipeline.records import join_shards, rank_shards
 from pipeline.roles import actor, critic
 from resources.adaptive import RoleAdaptive
+from resources.allocator import OUT_OF_MEMORY
 from resources.cluster import RoleCluster
 from resources.config import ResourceConfig
 
@@ -160,6 +161,10 @@ class HybridTrainer:
                             kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds)
+        # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).
+        degraded = self.fleet.degradations()
+        record.degradations = [d.line() for d in degraded]
+        record.oom_backoffs = sum(d.cause == OUT_OF_MEMORY for d in degraded)
         self.history.append(record)
         return record
 

@@ -95,6 +95,16 @@ def _is_positive_number(value: Any) -> bool:
         return False
 
 
+def _is_fraction(value: Any) -> bool:
+    """0 <= value < 1 (a share of GPU memory); YAML `true`, nan and huge ints are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and 0 <= value < 1
+    except OverflowError:
+        return False
+
+
 def _example_ids(ids: Sequence[int]) -> list[int]:
     """The list the user probably meant: their ids once each, padded with the next ones."""
     once = list(dict.fromkeys(ids))
@@ -143,6 +153,10 @@ class _Parser:
                                               "use e.g. timeout_seconds: 180")),
             allow_shared_devices=self.flag(data, "allow_shared_devices"),
             allow_busy_devices=self.flag(data, "allow_busy_devices"),
+            busy_memory_fraction=float(self.scalar(
+                data, "busy_memory_fraction", devices.BUSY_MEMORY_FRACTION, _is_fraction,
+                "expected a share of GPU memory from 0 to 1 (0.05 = 5%)",
+                "use e.g. busy_memory_fraction: 0.05, or allow_busy_devices: true to share busy GPUs")),
             adaptive=FrozenMap(self.adaptive(data.get("adaptive"), data)),
             source=self.source)
         self.check_backend(config)
@@ -330,7 +344,7 @@ class _Parser:
                              f"NVIDIA GPU ({reason if not ok else 'NVML reports 0 GPUs'})",
                              f"use device_type: cpu with workers: {cuda[0].workers}")
         have = sorted(g.index for g in gpus)
-        busy = {} if config.allow_busy_devices else devices.busy_gpus(gpus)
+        busy = {} if config.allow_busy_devices else devices.busy_gpus(gpus, config.busy_memory_fraction)
         for spec in cuda:
             path = f"{spec.role}.device_ids"
             for i in spec.device_ids:

@@ -86,7 +86,7 @@ class ActorRole:
 
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
         return in_row_chunks(response_logprobs, self.trainer.model.eval(), batch, step.micro_batch_size,
-                             self.device, step.temperature)
+                             self.device, step.temperature, what="proximal logprobs")
 
     def _loss(self, model, chunk, step: PolicyStep, normalizer: float):
         batch, proximal = chunk
