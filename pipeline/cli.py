@@ -186,7 +186,8 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     with open(out / "metrics.jsonl", "w") as log:
         for record in history:
             log.write(json.dumps({"step": record.step, "reward": record.reward_mean, "kl": record.kl_mean,
-                                  "tokens_per_second": record.tokens_per_second, **record.losses}) + "\n")
+                                  "tokens_per_second": record.tokens_per_second,
+                                  "dropped_samples": record.dropped_samples, **record.losses}) + "\n")
     window = max(1, len(history) // 5)
     first = sum(r.reward_mean for r in history[:window]) / window
     last = sum(r.reward_mean for r in history[-window:]) / window

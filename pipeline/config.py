@@ -58,6 +58,14 @@ class TrainConfig:
     # broadcast group to other hosts), or force one of "shm", "cuda_ipc" (readers on the
     # actor's GPU: ~5 ms for 1 GB on an H200), "broadcast", "dask" (the slow fallback).
     weight_sync: str = "auto"
+    # A sample whose reward (or reference log-probs, critic values, advantages) is not one
+    # finite number: "skip" drops it (GRPO: with its group), logs and counts it; "raise"
+    # stops the run at the first one.
+    reward_errors: str = "skip"
+    # A prompt longer than the model's context minus max_new_tokens: "refuse" the prompt
+    # file, "truncate" it (its first tokens are dropped, keeping the end, where the question
+    # usually is) or "drop" it.
+    long_prompts: str = "refuse"
 
     def __post_init__(self):
         for f in fields(self):  # types first, so that the range checks below can compare
@@ -94,6 +102,8 @@ class TrainConfig:
             "dtype": (self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16"),
             "weight_sync": (self.weight_sync in ("auto", "shm", "cuda_ipc", "broadcast", "dask"),
                             "use auto, shm, cuda_ipc, broadcast or dask"),
+            "reward_errors": (self.reward_errors in ("skip", "raise"), "use skip (drop bad samples) or raise"),
+            "long_prompts": (self.long_prompts in ("refuse", "truncate", "drop"), "use refuse, truncate or drop"),
         }
         for key, (ok, fix) in checks.items():
             if not ok:

@@ -36,6 +36,7 @@ class StepRecord:
     staleness: float                  # mean (current version - generating version) of the batch
     losses: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
+    dropped_samples: int = 0          # samples left out as bad (train.reward_errors: skip)
 
     @property
     def tokens_per_second(self) -> float:
@@ -43,8 +44,9 @@ class StepRecord:
 
     def summary(self) -> dict[str, str]:
         """The progress bar's postfix."""
-        return {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
-                "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
+        shown = {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
+                 "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
+        return {**shown, "dropped": str(self.dropped_samples)} if self.dropped_samples else shown
 
 
 def sum_stats(items) -> dict[str, float]:
