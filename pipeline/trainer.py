@@ -17,11 +17,11 @@ from tqdm.auto import tqdm
 
 from pipeline import weights
 from pipeline.config import make_train_config
-from pipeline.data import PromptStream, encode_prompts, read_prompts
+from pipeline.data import PromptStream, encode_prompts, fit_to_context, read_prompts
 from pipeline.engines import vllm as vllm_engine
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
 from pipeline.metrics import PhaseTimer, StepRecord, normalise_update_stats, sum_stats
-from pipeline.models import load_tokenizer, materialize
+from pipeline.models import context_length, load_tokenizer, materialize
 from pipeline.recipes import role_recipes
 from pipeline.inflight import InFlight
 from pipeline.records import join_scores, join_shards, rank_shards
@@ -69,7 +69,9 @@ class HybridTrainer:
         self.actor_dir = materialize(actor_model, self.output_dir / "actor-init", tokenizer)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_dir)
         texts = read_prompts(prompts, tc.prompt_column)
-        self.prompts = PromptStream(encode_prompts(self.tokenizer, texts), seed=tc.seed)
+        token_ids = fit_to_context(encode_prompts(self.tokenizer, texts), context_length(self.actor_dir),
+                                   tc.max_new_tokens, tc.long_prompts, source=prompts)
+        self.prompts = PromptStream(token_ids, seed=tc.seed)
         self.show_progress = show_progress
         self.history: list[StepRecord] = []
         # No critic for GRPO; no reference model when the KL weight is 0 (it would only hold
