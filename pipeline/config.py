@@ -192,7 +192,8 @@ def load_run_file(path: str | os.PathLike) -> RunFile:
     """Read a run file such as examples/quickstart.yaml (resources at the top, `train:` below)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"run file {path} does not exist")
+        raise FileNotFoundError(f"run file {path} does not exist. Fix: check the path (examples/quickstart.yaml "
+                                f"is one to start from)")
     # The resource parser's strict reader: a key written twice is an error, not "last wins".
     data = read_yaml(path, str(path)) or {}
     resources = parse_resource_config(data, source=str(path))
