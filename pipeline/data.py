@@ -13,6 +13,9 @@ from typing import Any, Iterable
 from resources.config import shorten
 
 logger = logging.getLogger("dask_rl")
+# A JSONL line past this is not a prompt (1M characters is far past any model's context):
+# most likely a binary or one-line file, which must not be read into memory whole.
+MAX_LINE_BYTES = 4 << 20
 FIX_COLUMN = "set prompt_column to the field that holds the prompt text"
 
 
@@ -75,9 +78,12 @@ def _read_parquet(path: Path, column: str) -> list[str]:
 def _read_jsonl(path: Path, column: str) -> list[str]:
     texts = []
     with path.open("rb") as file:  # line by line: one bad line is named, and a big file streams
-        for number, raw in enumerate(file, start=1):
+        for number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            where = f"{path} line {number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{where}: longer than {MAX_LINE_BYTES >> 20} MiB, too long for a prompt. Fix: "
+                                 f"check the path points at a JSONL file (one JSON object per line)")
             if raw.strip():
-                where = f"{path} line {number}"
                 texts.append(_text(_parse_line(raw, where, column), column, where))
     return texts
 

@@ -120,6 +120,24 @@ def test_a_command_pointed_at_no_scheduler_fails_at_once_in_one_line(args, measu
     measured(f"dask-rl {args[0]} to a closed port: refused in {seconds:.1f} s (process start included)")
 
 
+HOSTILE_RUN_FILES = {
+    "alias bomb": ("a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10)), "anchors and aliases expand to"),
+    "deep nesting": ("actor: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than 32 levels"),
+    "binary": (b"\x7fELF\x02\x01\x01" + bytes(range(128)) * 64, "character #x007f is not allowed in YAML"),
+    "not utf-8": (b"actor: {device_type: cpu}\nreward: caf\xe9\n", "line 2: not UTF-8 text"),
+    "2 MiB": ("# " + "x" * (2 << 20) + "\n", "larger than 1 MiB"),
+}
+
+
+@pytest.mark.parametrize("content, problem", HOSTILE_RUN_FILES.values(), ids=HOSTILE_RUN_FILES.keys())
+def test_a_hostile_run_file_is_one_line_exit_2(tmp_path, content, problem):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_bytes(content if isinstance(content, bytes) else content.encode())
+    line = _one_line_error(dask_rl("run", str(run_file), timeout=60))
+    assert line.startswith(f"dask-rl: {run_file}: ") and problem in line and len(line) < 400
+
+
 def test_a_usage_error_is_one_line_with_the_fix():
     line = _one_line_error(dask_rl("run", "--steps", "many", "x.yaml", timeout=60))
     assert line == "dask-rl run: argument --steps: invalid int value: 'many'. Fix: see `dask-rl run --help`."

@@ -87,6 +87,9 @@ BAD_LINES = {
     "deep nesting": (b"[" * 100_000 + b"\n", "line 1: JSON nested too deeply. Fix: write one JSON object"),
     "a number": (b'{"prompt": "a"}\n42\n', "line 2: no 'prompt' field (it is 42). Fix: set prompt_column"),
     "a json array file": (b'[{"prompt": "a"},\n {"prompt": "b"}]\n', "line 1: not valid JSON"),
+    # 64 MiB without a newline: refused after reading 4 MiB of it, not read whole.
+    "a binary blob": (b'{"prompt": "a"}\n' + b"\x00" * (64 << 20),
+                      "line 2: longer than 4 MiB, too long for a prompt. Fix: check the path points at a JSONL"),
 }
 
 
@@ -94,8 +97,10 @@ BAD_LINES = {
 def test_a_malformed_jsonl_line_names_the_file_and_the_line(tmp_path, content, expected):
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(content)
+    start = time.perf_counter()
     with pytest.raises(ValueError) as error:
         read_prompts(path)
+    assert time.perf_counter() - start < 1.0
     message = str(error.value)
     assert message.startswith(f"{path} {expected}") and "\n" not in message and len(message) < 400
 
