@@ -182,10 +182,10 @@ def start_role_worker(scheduler_address: str, role: str, device_ids: list[int] |
     """
     from resources.cluster import configure_dask
 
-    check_scheduler(scheduler_address)
     device_ids = list(device_ids or [])
     specs = role_worker_specs(role, device_ids, workers=workers, name=name, hostname=hostname, nthreads=nthreads)
     if device_ids:
         validate_device_ids(device_ids, allow_busy)
+    check_scheduler(scheduler_address)  # after the local checks: a wrong role is named whatever the network
     configure_dask()  # the Nannies hand this config to their workers
     asyncio.run(_serve(scheduler_address, specs, name, workers, role, hostname, timeout))
