@@ -41,6 +41,7 @@ class StepRecord:
     # out-of-memory error forced (the others were planned smaller from a memory reading).
     degradations: list[str] = field(default_factory=list)
     oom_backoffs: int = 0
+    dropped_samples: int = 0          # samples left out as bad (train.reward_errors: skip)
 
     @property
     def tokens_per_second(self) -> float:
@@ -48,8 +49,9 @@ class StepRecord:
 
     def summary(self) -> dict[str, str]:
         """The progress bar's postfix."""
-        return {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
-                "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
+        shown = {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
+                 "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
+        return {**shown, "dropped": str(self.dropped_samples)} if self.dropped_samples else shown
 
 
 def sum_stats(items) -> dict[str, float]:

@@ -103,6 +103,21 @@ def _is_fraction(value: Any) -> bool:
         return math.isfinite(value) and 0 <= value < 1
     except OverflowError:
         return False
+# vLLM engine arguments that are a fraction or a count: a bad value would otherwise fail only
+# once the engine starts on a worker, after every other role has loaded its model.
+_ENGINE_FRACTIONS = {"gpu_memory_utilization": "e.g. 0.85"}
+_ENGINE_COUNTS = {"max_model_len": "e.g. 4096", "max_num_seqs": "e.g. 256", "max_num_batched_tokens": "e.g. 8192"}
+
+
+def _bad_engine_number(key: str, value: Any) -> tuple[str, str] | None:
+    """(problem, fix) for a vllm_args value out of its range, else None."""
+    if key in _ENGINE_FRACTIONS and not (_is_positive_number(value) and value <= 1):
+        return "expected a fraction of the GPU's memory in (0, 1]", f"use {_ENGINE_FRACTIONS[key]}"
+    if key in _ENGINE_COUNTS and not (_is_int(value) and value >= 1):
+        return "expected an integer >= 1", f"use {_ENGINE_COUNTS[key]}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "not a finite number", "use a finite number, or remove the key to take vLLM's default"
+    return None
 
 
 def _example_ids(ids: Sequence[int]) -> list[int]:
@@ -283,6 +298,9 @@ class _Parser:
                                  "use a field of vllm.engine.arg_utils.EngineArgs (vllm "
                                  f"{vllm_keys.VLLM_VERSION}: resources/vllm_keys.py lists them), e.g. "
                                  "max_model_len, gpu_memory_utilization, enforce_eager")
+            problem = _bad_engine_number(key, args[key])
+            if problem:
+                raise self.error(f"{path}.{key}", args[key], *problem)
         # Each rollout worker owns exactly one GPU, so a tensor-parallel engine cannot start.
         if args.get("tensor_parallel_size", 1) != 1:
             raise self.error(f"{path}.tensor_parallel_size", args["tensor_parallel_size"],
