@@ -121,16 +121,29 @@ def _peak_step(initial, ids, mask, max_rows: int) -> int:
     return peak
 
 
+def _grads_at_step(trainable) -> list[torch.Tensor]:
+    """The accumulated gradients of the first optimizer step, read just before it applies
+    them (the step frees them afterwards), through the optimizer's public pre-step hook."""
+    grads: list[torch.Tensor] = []
+
+    def keep(optimizer, args, kwargs):
+        if not grads:
+            grads.extend(p.grad.detach().cpu() for p in trainable.model.parameters())
+
+    trainable.optimizer.register_step_pre_hook(keep)
+    return grads
+
+
 def test_optimizer_step_under_a_cap_halves_and_equals_the_unsplit_step(measured):
     initial = {k: v.clone() for k, v in _model().state_dict().items()}
     ids, mask = _batch()
     small_peak = _peak_step(initial, ids, mask, 4)
 
     trainable, step = _step(initial, ids, mask, ROWS)
+    grads_a = _grads_at_step(trainable)
     static = torch.cuda.memory_allocated()
     (stats_a, first_a) = step()
     peak = torch.cuda.max_memory_allocated() - static
-    grads_a = [p.grad.detach().cpu() for p in trainable.model.parameters()]
     params_a = [p.detach().cpu() for p in trainable.model.parameters()]
     _, steady_a = step()
     assert trainable.micro_batch_rows == ROWS
@@ -142,10 +155,10 @@ def test_optimizer_step_under_a_cap_halves_and_equals_the_unsplit_step(measured)
     # included): 32 rows run out of memory for real, 4 fit.
     fraction = _cap((small_peak + peak) // 2 + 128 * 2**20)
     seen = len(allocator.reported())
+    grads_b = _grads_at_step(trainable)
     (stats_b, first_b) = step()
     lines = [d.line() for d in allocator.reported()[seen:]]
     chosen = trainable.micro_batch_rows
-    grads_b = [p.grad.detach().cpu() for p in trainable.model.parameters()]
     params_b = [p.detach().cpu() for p in trainable.model.parameters()]
     (_, steady_b) = step()
     steady_rows = trainable.micro_batch_rows
