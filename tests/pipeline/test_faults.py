@@ -66,8 +66,9 @@ def _kill_when_running(cluster, role: str, task: str, pid: int) -> threading.Thr
     return thread
 
 
-def _train(cluster, tiny_model, prompts, steps: int, fault=None):
-    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
+def _train(cluster, tiny_model, prompts, steps: int, fault=None, strategy: str = "ddp"):
+    layout = {**LAYOUT, "actor": {**LAYOUT["actor"], "strategy": strategy}}
+    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(layout), prompts=prompts,
                             cluster=cluster, steps=steps, **PPO)
     try:
         watcher = fault(trainer) if fault else None
@@ -94,14 +95,16 @@ def _assert_same_run(records, final, reference):
         torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rank,strategy", [(0, "ddp"), pytest.param(1, "ddp", marks=pytest.mark.slow),
+                                           pytest.param(1, "fsdp", marks=pytest.mark.slow)])
 def test_an_actor_rank_killed_during_its_update_costs_one_redo_and_changes_nothing(
-        fault_cluster, fault_free, tiny_model, prompts, rank):
+        fault_cluster, fault_free, tiny_model, prompts, rank, strategy):
     killed = _pids(fault_cluster, "actor")[rank]
     # During the second update (tag "1-r<rank>": from v1 to v2): the group rebuilds from the
     # recovery state saved after the first.
     records, final, seconds = _train(fault_cluster, tiny_model, prompts, steps=3,
-                                     fault=lambda t: _kill_when_running(fault_cluster, "actor", "update-1-", killed))
+                                     fault=lambda t: _kill_when_running(fault_cluster, "actor", "update-1-", killed),
+                                     strategy=strategy)
     assert killed not in _pids(fault_cluster, "actor")               # it did die (the Nanny restarted it)
     _assert_same_run(records, final, fault_free)
     # The redo started when the loss was seen: far less than the 120 s timeout.
