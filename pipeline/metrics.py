@@ -36,6 +36,15 @@ class StepRecord:
     staleness: float                  # mean (current version - generating version) of the batch
     losses: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)   # a few {"prompt", "response", "reward"} rows
+
+    def figures(self) -> dict[str, float]:
+        """The step's numbers, flat: a line of metrics.jsonl, a TensorBoard scalar each."""
+        return {"step": self.step, "policy_version": self.policy_version, "reward": self.reward_mean,
+                "kl": self.kl_mean, "response_length": self.response_length, "tokens": self.tokens,
+                "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
+                "staleness": self.staleness, **self.losses,
+                **{f"seconds_{phase}": value for phase, value in self.phases.items()}}
 
     @property
     def tokens_per_second(self) -> float:

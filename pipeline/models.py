@@ -104,6 +104,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
 class ValueModel(nn.Module):
     """The critic: a causal LM's transformer body with a scalar head on every position.
 
@@ -119,6 +122,19 @@ class ValueModel(nn.Module):
         self.head = nn.Linear(self.body.config.hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if head_file.is_file():  # a critic saved by a run: its trained head comes back too
+            from safetensors.torch import load_file
+
+            self.head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(head_file)).items()})
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """The body in Hugging Face format (AutoModel loads it) and the value head beside it."""
+        from safetensors.torch import save_file
+
+        self.body.save_pretrained(path)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
+                  str(Path(path) / VALUE_HEAD_FILE))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, L) ids and mask -> (B, L) values, one per position."""
