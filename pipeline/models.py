@@ -82,13 +82,35 @@ def load_causal_lm(path: str | os.PathLike, *, device: str = "cpu", dtype: torch
     return model.to(device)
 
 
-def materialize(model_or_path, directory: str | os.PathLike, tokenizer=None) -> str:
+class ModelSourceError(FileNotFoundError):
+    """A model argument that names neither a local model directory nor a hub model."""
+
+
+def check_model_source(source: str | os.PathLike, key: str) -> None:
+    """Raise ModelSourceError naming `key` unless transformers finds a model config at
+    `source` (a local directory, or a hub id it can reach or has cached)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        where = "the directory holds no config.json" if Path(source).is_dir() else \
+            "it is no local directory, and no hub model of that id could be loaded"
+        reason = str(error).strip().splitlines()[0][:200]
+        raise ModelSourceError(f"{key}: {str(source)!r}: {where} ({reason}). Fix: give the directory a model was "
+                               f"saved to with save_pretrained, or a hub id such as 'Qwen/Qwen2-0.5B' "
+                               f"(with network access or a filled cache).") from None
+
+
+def materialize(model_or_path, directory: str | os.PathLike, tokenizer=None, key: str = "actor_model") -> str:
     """Return a local directory holding the model (and tokenizer), so workers can load it.
 
-    A path or hub id is returned as is; an already-built transformers model object is
-    saved into `directory` once, since models must not travel through the scheduler.
+    A path or hub id is checked and returned as is (a wrong one raises ModelSourceError
+    naming `key`); an already-built transformers model object is saved into `directory`
+    once, since models must not travel through the scheduler.
     """
     if isinstance(model_or_path, (str, os.PathLike)):
+        check_model_source(model_or_path, key)
         return str(model_or_path)
     if not hasattr(model_or_path, "save_pretrained"):
         raise TypeError(f"expected a model path, hub id or transformers model, got {type(model_or_path).__name__}")

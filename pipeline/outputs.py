@@ -33,6 +33,7 @@ class RunOutputs:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.dir / "checkpoints"
         self.last_checkpoint: Path | None = None
+        self.saved_version = 0   # the policy version of the models under self.dir
         self._wandb = _start_wandb(train_config) if train_config.wandb_project else None
         self._tensorboard = None
 
@@ -88,18 +89,26 @@ class RunOutputs:
         checkpoint.prune(self.checkpoints, self.train_config.checkpoint.keep_last)
         return self.last_checkpoint
 
-    def resume(self, fleet, batches, target: str | Path | bool | None) -> tuple[int, int]:
-        """Restore the newest valid checkpoint under `target` (or `target` itself; True: this
-        output directory); returns (steps done, policy version), (0, 0) without a target.
-        The run's logs lose their lines after the checkpoint's step."""
+    def find_checkpoint(self, target: str | Path | bool | None) -> tuple[Path, dict[str, Any]] | None:
+        """The newest valid checkpoint under `target` (or `target` itself; True: this output
+        directory), checked to fit this run; None without a target. Called before any
+        worker starts, so that a bad one fails first."""
         if not target:
-            return 0, 0
+            return None
         path, state = checkpoint.find(self.dir if target is True else target)
         if state.get("algorithm") != self.train_config.algorithm or set(state.get("roles", ())) != set(self.roles):
             raise checkpoint.CheckpointError(
                 f"checkpoint {path} is of a {state.get('algorithm')} run with roles {state.get('roles')}; this run "
                 f"is {self.train_config.algorithm} with {list(self.roles)}. Fix: resume with the same algorithm "
                 f"and kl_coef (0 runs no reference role).")
+        return path, state
+
+    def restore(self, fleet, batches, found: tuple[Path, dict[str, Any]] | None) -> int:
+        """Start the run from the checkpoint `found`; returns the steps done before it (0
+        without one). The logs lose their lines of steps after the checkpoint's."""
+        if found is None:
+            return 0
+        path, state = found
         states.restore_states(fleet, self.roles, path, state["policy_version"], self.train_config.max_staleness + 2)
         checkpoint.restore_rng(path)
         batches.resume_from(state["next_batch"], state["prompt_position"])
@@ -107,21 +116,29 @@ class RunOutputs:
             _drop_from(self.dir / name, state["step"])
         logger.warning("dask-rl: resumed from %s (step %d, policy version %d)", path, state["step"],
                        state["policy_version"])
-        return state["step"], state["policy_version"]
+        self.saved_version = state["policy_version"]
+        return state["step"]
 
     # -- the model -------------------------------------------------------------------------------
     def save_models(self, fleet, directory: str | Path | None = None) -> dict[str, Path]:
         """The actor (and critic) in Hugging Face format, each with the tokenizer beside it."""
         saved = states.save_models(fleet, self.roles, Path(directory or self.dir))
+        if directory is None:
+            self.saved_version = fleet.version
         for path in saved.values():
             self.tokenizer.save_pretrained(path)
         return saved
 
-    def close(self) -> None:
-        if self._tensorboard:
-            self._tensorboard.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+    def close(self, fleet) -> None:
+        """Save the models if trained since they were last saved here; close the loggers."""
+        try:
+            if fleet.version != self.saved_version:
+                self.save_models(fleet)
+        finally:
+            if self._tensorboard:
+                self._tensorboard.close()
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 def _start_wandb(tc: TrainConfig):

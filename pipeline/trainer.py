@@ -7,6 +7,7 @@ weight routes, resizing, adaptive scaling, the timeout) is the Fleet's (pipeline
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -82,7 +83,8 @@ class HybridTrainer:
         self.roles = ("rollout", "reward", *(("reference",) if tc.kl_coef > 0 else ()), "actor",
                       *(("critic",) if tc.algorithm == "ppo" else ()))
         self.outputs = RunOutputs(self.output_dir, tc, self.tokenizer, self.roles)
-        run_id = f"{int(time.time())}-{id(self) % 10_000}"
+        resume_from = self.outputs.find_checkpoint(resume)  # before any worker starts: a bad one fails first
+        run_id = f"{os.getpid()}-{int(time.time())}-{id(self) % 10_000}"
         self.fleet = Fleet(config, self.roles, snapshot_dir=str(weights.default_snapshot_dir(run_id)),
                            weight_sync=tc.weight_sync, cluster=cluster, scheduler_address=scheduler_address,
                            dashboard_address=dashboard_address)
@@ -93,9 +95,9 @@ class HybridTrainer:
                                critic_model=critic_model, reference_model=reference_model)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
         self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
-        # The step count and the version the models in output_dir were last saved at.
-        self.first_step, self._saved_version = self.outputs.resume(self.fleet, self.batches, resume)
-        print(f"dask-rl: dashboard at {self.fleet.cluster.dashboard_link}", flush=True)
+        self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
+        print(f"dask-rl: scheduler at {self.fleet.client.scheduler.address} (for `dask-rl worker` and "
+              f"`dask-rl scale`); dashboard at {self.fleet.cluster.dashboard_link}", flush=True)
 
     @property
     def resources(self) -> ResourceConfig:
@@ -113,13 +115,15 @@ class HybridTrainer:
     # -- the loop --------------------------------------------------------------------------
     def train(self, steps: int | None = None, on_step: Callable[[StepRecord], None] | None = None
               ) -> list[StepRecord]:
-        """Run `steps` (default: train.steps) updates with a progress bar; returns the records.
+        """Run `steps` updates (default: up to train.steps in all, counting the steps before a
+        resume) with a progress bar; returns the records.
 
         `on_step(record)` runs in the training thread after each step: a place to log, to
         checkpoint, or to call update_resource between two steps. request_stop() ends it
         after the step in flight (and writes a checkpoint when train.checkpoint is set).
         """
-        total = steps or self.train_config.steps
+        done = len(self.history)
+        total = steps or max(0, self.train_config.steps - self.first_step - done)
         bar = tqdm(range(total), desc=f"dask-rl {self.train_config.algorithm}", disable=not self.show_progress)
         if self.resources.adaptive and not self.fleet.adapting:  # the file's `adaptive:` section
             self.adapt()
@@ -136,7 +140,7 @@ class HybridTrainer:
                         break
         finally:
             self.stop_adapting()
-        return self.history[-total:]
+        return self.history[done:]
 
     def step(self) -> StepRecord:
         """One update. Each phase is timed; the dataflow is the sequence of calls below."""
@@ -261,8 +265,6 @@ class HybridTrainer:
 
     def save(self, path: str | None = None) -> dict[str, Path]:
         """The actor (and critic) in Hugging Face format with the tokenizer: <path>/actor, ..."""
-        if path is None:
-            self._saved_version = self.version
         return self.outputs.save_models(self.fleet, path)
 
     def save_checkpoint(self) -> Path:
@@ -273,10 +275,8 @@ class HybridTrainer:
         """Save the models under output_dir (if trained since), drop in-flight batches, close
         the fleet: adaptive scaling stops, snapshots are deleted, a cluster it started closes."""
         try:
-            if self.version != self._saved_version:
-                self.save()
+            self.outputs.close(self.fleet)
         finally:
-            self.outputs.close()
             self.batches.cancel()
             try:
                 self.fleet.close()

@@ -87,7 +87,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_run_step_for_step(shared_cluste
                        checkpoint={"every_n_steps": 2, "keep_last": 3}, **common) as uninterrupted:
         straight = uninterrupted.train()
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
-    with HybridTrainer(tiny_model, digit_fraction, shared_config, output_dir=str(tmp_path / "b"), steps=2,
+    with HybridTrainer(tiny_model, digit_fraction, shared_config, output_dir=str(tmp_path / "b"), steps=4,
                        resume=str(tmp_path / "a" / "checkpoints" / "step-000002"), **common) as resumed:
         assert (resumed.version, resumed.first_step) == (2, 2)
         again = resumed.train()
@@ -107,7 +107,7 @@ def test_resume_after_a_resize_starts_from_the_saved_weights(shared_cluster, sha
                                   "rollout": {"device_type": "cpu", "workers": 1}, "timeout_seconds": 120})
     with role_cluster(small) as cluster:
         with HybridTrainer(tiny_model, digit_fraction, small, cluster=cluster, output_dir=str(tmp_path),
-                           steps=1, resume=True, **common) as resumed:
+                           steps=3, resume=True, **common) as resumed:
             restored = weights.load_snapshot(resumed.weights)  # what the rollout worker samples from
             assert resumed.version == 2
             for name, tensor in saved["model"].items():
