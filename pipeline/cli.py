@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="train from a run file (resources + train section)")
     run.add_argument("file", help="run file, e.g. examples/quickstart.yaml")
     run.add_argument("--steps", type=int, help="override train.steps")
-    run.add_argument("--output-dir", help="where models, snapshots and the metrics log go")
+    run.add_argument("--output-dir", help="where the trained models, checkpoints, metrics and samples go")
     run.add_argument("--dashboard-address", default=":8787")
     run.add_argument("--resume", nargs="?", const=True, metavar="DIR",
                      help="continue from the newest valid checkpoint under DIR (default: the output directory)")

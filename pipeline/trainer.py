@@ -119,8 +119,7 @@ class HybridTrainer:
         resume) with a progress bar; returns the records.
 
         `on_step(record)` runs in the training thread after each step: a place to log, to
-        checkpoint, or to call update_resource between two steps. request_stop() ends it
-        after the step in flight (and writes a checkpoint when train.checkpoint is set).
+        checkpoint, or to call update_resource between two steps; request_stop() ends it.
         """
         done = len(self.history)
         total = steps or max(0, self.train_config.steps - self.first_step - done)
@@ -278,10 +277,7 @@ class HybridTrainer:
             self.outputs.close(self.fleet)
         finally:
             self.batches.cancel()
-            try:
-                self.fleet.close()
-            except (TimeoutError, OSError) as error:  # the run's results are saved: never fail it here
-                logger.warning("dask-rl: closing the cluster did not finish cleanly (%r)", error)
+            self.fleet.close()
 
     def __enter__(self) -> HybridTrainer:
         return self

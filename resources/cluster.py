@@ -266,11 +266,14 @@ class RoleCluster:
             self.client.close()
             return
         self.client.close()
-        # A Nanny's own close gives its worker process 4 s to exit, then kills it with a
-        # warning; with torch and transformers loaded, interpreter shutdown alone can take
-        # longer on a busy machine. Closed first with more time, they all exit by themselves.
-        self.cluster.sync(close_nannies, list(self.cluster.workers.values()), 30)
-        self.cluster.close()
+        try:
+            # A Nanny's own close gives its worker process 4 s to exit, then kills it with a
+            # warning; with torch and transformers loaded, interpreter shutdown alone can take
+            # longer on a busy machine. Closed first with more time, they exit by themselves.
+            self.cluster.sync(close_nannies, list(self.cluster.workers.values()), 30)
+            self.cluster.close()
+        except (TimeoutError, OSError) as error:  # the work is done and saved: closing never fails it
+            logger.warning("dask-rl: closing the cluster did not finish cleanly (%r)", error)
 
     def __enter__(self) -> RoleCluster:
         return self
