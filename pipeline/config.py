@@ -90,6 +90,12 @@ class TrainConfig:
     # broadcast group to other hosts), or force one of "shm", "cuda_ipc" (readers on the
     # actor's GPU: ~5 ms for 1 GB on an H200), "broadcast", "dask" (the slow fallback).
     weight_sync: str = "auto"
+    # After every N-th update the actor's and critic's rank 0 save model and optimizer state
+    # beside the weight snapshots: a group that loses a rank rebuilds from it, exactly.
+    # None (auto): every update for roles on CPU; never on a GPU, where a save copies the
+    # model and optimizer state out (seconds for a 0.5B model) and the actor falls back to
+    # its last published weights with fresh optimizer moments. 0: never.
+    recovery_every_n_steps: int | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
     log_samples: int = 4              # prompt/response/reward rows per step written to samples.jsonl
     wandb_project: str = ""           # log to this Weights & Biases project (needs wandb); "" = off
@@ -127,6 +133,9 @@ class TrainConfig:
             "seed": (0 <= self.seed < 2**32, "use a seed from 0 to 4294967295"),
             "prompt_column": (self.prompt_column != "", "name the column that holds the prompts"),
             "dtype": (self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16"),
+            "recovery_every_n_steps": (self.recovery_every_n_steps is None or (
+                not isinstance(self.recovery_every_n_steps, bool) and isinstance(self.recovery_every_n_steps, int)
+                and self.recovery_every_n_steps >= 0), "use 0 (never), a positive number of steps, or leave it out"),
             "weight_sync": (self.weight_sync in ("auto", "shm", "cuda_ipc", "broadcast", "dask"),
                             "use auto, shm, cuda_ipc, broadcast or dask"),
             "log_samples": (self.log_samples >= 0, "use 0 (none) or a number of rows, e.g. 4"),
@@ -193,11 +202,15 @@ def make_train_config(values: Mapping[str, Any], *, source: str = "trainer argum
 def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
     if type_name == "CheckpointConfig":
         return CheckpointConfig.of(value, source)
+    if type_name.endswith(" | None"):  # optional: null (or leaving the key out) means "auto"
+        if value is None:
+            return None
+        type_name = type_name.removesuffix(" | None")
     expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
     if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
         article = "an" if type_name == "int" else "a"
         raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should be {article} {type_name}. "
-                               f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}.")
+                               f"Fix: write e.g. {key}: {getattr(TrainConfig(), key) or 1!r}.")
     if type_name == "float":
         try:
             return float(value)

@@ -85,14 +85,16 @@ class HybridTrainer:
         self.outputs = RunOutputs(self.output_dir, tc, self.tokenizer, self.roles)
         resume_from = self.outputs.find_checkpoint(resume)  # before any worker starts: a bad one fails first
         run_id = f"{os.getpid()}-{int(time.time())}-{id(self) % 10_000}"
-        self.fleet = Fleet(config, self.roles, snapshot_dir=str(weights.default_snapshot_dir(run_id)),
+        snapshot_dir = str(weights.default_snapshot_dir(run_id))
+        self.fleet = Fleet(config, self.roles, snapshot_dir=snapshot_dir,
                            weight_sync=tc.weight_sync, cluster=cluster, scheduler_address=scheduler_address,
                            dashboard_address=dashboard_address)
         if uses_vllm and (cluster is not None or scheduler_address is not None):
             # Workers started elsewhere may run another Python: ask them, before any model loads.
             vllm_engine.require_vllm_on(self.fleet.client, self.fleet.addresses("rollout"))
         recipes = role_recipes(tc, config, self.roles, self.actor_dir, self.output_dir, reward_model=reward_model,
-                               critic_model=critic_model, reference_model=reference_model)
+                               critic_model=critic_model, reference_model=reference_model,
+                               snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
         self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
@@ -180,16 +182,22 @@ class HybridTrainer:
         return record
 
     def _update(self, experience) -> dict[str, float]:
-        """The update, redone once on the surviving ranks if a rank's worker died during it."""
-        try:
-            return self._update_once(experience)
-        except Exception as error:
-            lost = [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]
-            if not lost:
-                raise
-            logger.warning("dask-rl: %s lost a worker during the update (%r); redoing it on the survivors",
-                           ", ".join(lost), error)
-            return self._update_once(experience)
+        """The update, redone once if a rank's worker died during it. Each role applies an
+        update exactly once (by version): in the redo a role that had finished returns its
+        first result, and a group that lost a rank rebuilds from its last good state."""
+        for attempt in (1, 2):
+            for role in self._lost_trainable_roles():  # a killed worker's Nanny restarts it: wait for it
+                self.fleet.await_replacements(role)
+            try:
+                return self._update_once(experience)
+            except Exception as error:
+                lost = self._lost_trainable_roles()
+                if attempt == 2 or not lost:
+                    raise
+                logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
+
+    def _lost_trainable_roles(self) -> list[str]:
+        return [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]
 
     def _update_once(self, experience) -> dict[str, float]:
         tc, fleet = self.train_config, self.fleet
@@ -201,21 +209,36 @@ class HybridTrainer:
             is_cap=tc.is_cap, normalizers=normalizers, next_version=self.version + 1,
             snapshot_dir=fleet.snapshot_dir, transport=fleet.publish_transport(),
             # A batch submitted at version v may start generating after v+N is out: keep v.
-            keep_versions=tc.max_staleness + 2)
+            keep_versions=tc.max_staleness + 2, recovery_path=self._recovery_path("actor"))
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
         if "critic" in self.roles:
             critic_step = critic.CriticStep(clip_range=tc.value_clip, micro_batch_size=tc.micro_batch_size,
-                                            epochs=tc.ppo_epochs, normalizers=normalizers)
+                                            epochs=tc.ppo_epochs, normalizers=normalizers,
+                                            next_version=self.version + 1,
+                                            recovery_path=self._recovery_path("critic"))
             critic_workers, critic_futures = self._rank_tasks("critic", critic.update, experience, critic_step)
         results = fleet.wait("actor", actor_futures, "the policy update")
         losses = sum_stats(stats for stats, _ in results)
-        losses["grad_norm"] /= len(actor_workers)  # the same norm is reported by every rank
+        for key in ("grad_norm", "refused_steps"):  # the same on every rank
+            losses[key] = losses.get(key, 0.0) / len(actor_workers)
         if "critic" in self.roles:
             critic_losses = sum_stats(fleet.wait("critic", critic_futures, "the critic update"))
             critic_losses["critic_grad_norm"] = critic_losses.pop("grad_norm") / len(critic_workers)
+            critic_losses["critic_refused_steps"] = critic_losses.pop("refused_steps", 0.0) / len(critic_workers)
             losses.update(critic_losses)
-        fleet.published(results[0][1], actor_workers[0])
+        handle = results[0][1]
+        if handle is not None:
+            fleet.published(handle, actor_workers[0])
+        else:  # every optimizer step was refused (non-finite gradients): the last good version stays
+            logger.warning("dask-rl: the policy update applied no step; v%d stays published", self.version)
         return normalise_update_stats(losses, tc.ppo_epochs * tc.mini_batches)
+
+    def _recovery_path(self, role: str) -> str | None:
+        """Where `role` saves its state after this update, when one is due (None: not now)."""
+        every = self.train_config.recovery_every_n_steps
+        if every is None:  # auto: cheap on CPU; on a GPU it copies the model and optimizer out
+            every = 1 if self.resources.role(role).device_type == "cpu" else 0
+        return self.fleet.recovery_path(role) if every and (self.version + 1) % every == 0 else None
 
     def _rank_tasks(self, role: str, fn, experience, step) -> tuple[list[str], list]:
         """One task per rank, pinned to its worker (ranks must run at the same time)."""

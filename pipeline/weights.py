@@ -161,9 +161,14 @@ def is_local(handle: WeightHandle) -> bool:
 
 def load_snapshot(handle: WeightHandle) -> dict[str, torch.Tensor]:
     """Read a snapshot written on this host."""
-    with safe_open(handle.path, framework="pt") as f:
+    return load_tied_file(handle.path)
+
+
+def load_tied_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A published safetensors file as a state dict whose tied entries are one tensor again."""
+    with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
-    return _retie(load_file(handle.path), metadata)
+    return _retie(load_file(str(path)), metadata)
 
 
 def fetch_snapshot(handle: WeightHandle) -> bytes:

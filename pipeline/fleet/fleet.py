@@ -30,9 +30,10 @@ from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
 from pipeline.fleet.routes import WeightRoutes
 from pipeline.fleet.scaling import start_adaptive
-from pipeline.fleet.tasks import submit, wait_role
+from pipeline.fleet.tasks import RoleTimeout, submit, wait_role
 from pipeline.roles import rollout
 from pipeline.roles.host import RoleHost, plugin_name, role_ready
+from pipeline.roles.saved_state import Recovery, recovery_path
 from pipeline.roles.training import GroupInfo
 from resources.adaptive import Decision, RoleAdaptive
 from resources.cluster import RoleCluster
@@ -60,9 +61,9 @@ class Fleet:
         self.config = config
         self.roles = roles
         self.snapshot_dir = snapshot_dir
+        self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
         if cluster is None and scheduler_address is not None:
             cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds)
-        self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
         self.cluster = cluster or RoleCluster([w for w in plan_workers(config) if w.role in roles],
                                               dashboard_address=dashboard_address)
         self.client = self.cluster.client
@@ -74,6 +75,7 @@ class Fleet:
         self._train_thread: threading.Thread | None = None
         self._adaptive: RoleAdaptive | None = None
         self.adaptive_decisions: list[Decision] = []
+        self._pinned: dict[str, tuple[str, ...]] = {}   # key -> the workers a pending task is pinned to
 
     @property
     def timeout(self) -> float:
@@ -97,10 +99,21 @@ class Fleet:
         return [w["address"] for w in self.cluster.workers_of(role)]
 
     def submit(self, role: str, fn: Callable, *args: Any, tag: str = "", workers: list[str] | None = None):
-        return submit(self.client, role, fn, *args, tag=tag, workers=workers)
+        future = submit(self.client, role, fn, *args, tag=tag, workers=workers)
+        if workers:
+            self._pinned[future.key] = tuple(workers)
+        return future
 
     def wait(self, role: str, futures: list, what: str) -> list:
-        return wait_role(self.client, futures, role, what, self.timeout)
+        """Results, or RoleTimeout after the timeout, or WorkerLost as soon as a worker a task
+        is pinned to is gone (a rank of a process group: it cannot run elsewhere)."""
+        futures = list(futures)
+        try:
+            return wait_role(self.client, futures, role, what, self.timeout,
+                             pinned={f.key: self._pinned[f.key] for f in futures if f.key in self._pinned})
+        finally:
+            for future in futures:
+                self._pinned.pop(future.key, None)
 
     def rank_groups(self, role: str, workers: list[str]) -> list[GroupInfo]:
         """The process group of `role` over `workers`, one GroupInfo per rank. A lost actor
@@ -109,14 +122,35 @@ class Fleet:
         backend = self.config.comm_backend
         if backend == "auto":
             backend = "nccl" if spec.device_type == "cuda" else "gloo"
-        fallback = self.weights.path if role == "actor" and self.weights is not None else None
+        published = self.weights if role == "actor" and self.weights is not None else None
+        recovery = Recovery(recovery_path(self.snapshot_dir, role), published.path if published else None,
+                            self.version if published else 0)
         return self.groups.ranks(role, workers, strategy=spec.strategy, backend=backend,
-                                 timeout_seconds=self.timeout, fallback_restore=fallback)
+                                 timeout_seconds=self.timeout, recovery=recovery)
+
+    def recovery_path(self, role: str) -> str:
+        """Where the role's rank 0 saves its state after an update (see roles/saved_state.py)."""
+        return recovery_path(self.snapshot_dir, role)
 
     def lost_member(self, role: str) -> bool:
         """Whether a worker of the role's current process group is gone."""
         members = self.groups.members(role)
         return members is not None and not set(members) <= set(self.addresses(role))
+
+    def await_replacements(self, role: str) -> None:
+        """After a lost rank: wait (bounded by the timeout) until the role has as many workers
+        as its placement says (a killed worker process is restarted by its Nanny and reloads
+        its model), so that the redo runs on a full group; with fewer, it runs on those."""
+        wanted = self.config.role(role).workers
+        deadline = time.monotonic() + self.timeout
+        while len(self.addresses(role)) < wanted and time.monotonic() < deadline:
+            time.sleep(0.5)
+        have = len(self.addresses(role))
+        if have == 0:
+            raise RoleTimeout(f"{role}: no worker came back within timeout_seconds ({self.timeout:.0f}s) after "
+                              f"losing one. Fix: add one with update_resource or `dask-rl worker ... --role {role}`.")
+        if have < wanted:
+            logger.warning("dask-rl: %s continues on %d of %d workers", role, have, wanted)
 
     # -- weights ---------------------------------------------------------------------------
     def publish_transport(self) -> str:
@@ -169,6 +203,8 @@ class Fleet:
         """Bring every role's live workers to what `new_config` says."""
         changes = []
         for role in self.roles:
+            if new_config.role(role) == self.config.role(role):
+                continue  # untouched: in connected mode the spec of a remote worker is not ours to redo
             start_time = time.perf_counter()
             live = {w["name"]: w["address"] for w in self.cluster.workers_of(role)}
             current = [spec for name, spec in self.cluster.specs.items() if name in live]
@@ -238,10 +274,17 @@ class Fleet:
 
     def close(self) -> None:
         """Stop adapting, delete the weight snapshots and close the cluster this fleet
-        started (a cluster passed in stays up)."""
-        self.stop_adapting()
-        for address in self.addresses("actor"):  # snapshots live on the actor's host
-            self.client.run(shutil.rmtree, self.snapshot_dir, True, workers=[address])
+        started (a cluster passed in stays up; a joined scheduler too, less the workers this
+        fleet started). Never raises: a scheduler already gone only shortens the work."""
+        try:
+            self.stop_adapting()
+            for address in self.addresses("actor"):  # snapshots live on the actor's host
+                self.client.run(shutil.rmtree, self.snapshot_dir, True, workers=[address])
+        except Exception as error:  # noqa: BLE001 - closing after a fault must not replace it
+            logger.warning("dask-rl: the cluster did not answer while closing (%s); cleaning up locally", error)
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         if self._owns_cluster:
-            self.cluster.close()
+            try:
+                self.cluster.close()
+            except Exception as error:  # noqa: BLE001
+                logger.warning("dask-rl: closing the cluster: %s", error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from distributed import Client
 
+from pipeline.roles.saved_state import Recovery
 from pipeline.roles.training import GroupInfo
 from resources.cluster import live_workers
 
@@ -39,23 +40,24 @@ class ProcessGroups:
         return known[1] if known else None
 
     def ranks(self, role: str, workers: list[str], *, strategy: str, backend: str, timeout_seconds: float,
-              fallback_restore: str | None = None) -> list[GroupInfo]:
+              recovery: Recovery | None = None) -> list[GroupInfo]:
         """GroupInfo per rank of `workers`; a new generation when the membership or the
         data-parallel strategy changed.
 
-        `fallback_restore` is used when the membership changed without an exported state
-        (a rank was lost): the actor passes its last published weights.
+        A new generation starts from the state exported for it (a resize), or, when the
+        membership changed without one (a rank was lost), from what `recovery` points at.
         """
         members = tuple(workers)
         known = self._groups.get(role)
-        restore = None
+        restore, lost = None, None
         if known is None or known[:2] != (members, strategy):
             generation = 0 if known is None else known[2] + 1
             host = live_workers(self.client)[members[0]]["host"]
             port = self.client.run(free_port, workers=[members[0]])[members[0]]
             self._groups[role] = known = (members, strategy, generation, f"tcp://{host}:{port}")
-            restore = self.restore_paths.pop(role, None) or (fallback_restore if generation > 0 else None)
+            restore = self.restore_paths.pop(role, None)
+            lost = recovery if restore is None and generation > 0 else None
         return [GroupInfo(rank=rank, world_size=len(members), init_method=known[3], backend=backend,
                           generation=known[2], timeout_seconds=timeout_seconds, strategy=strategy,
-                          restore_path=restore)
+                          restore_path=restore, recovery=lost)
                 for rank in range(len(members))]

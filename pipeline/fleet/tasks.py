@@ -10,7 +10,7 @@ from distributed import Client, Future, wait
 
 # submit lives with the role-tagged workers it targets, so that pipeline.roles.sync can use it
 # without importing this driver-side module; the driver modules keep importing it from here.
-from resources.cluster import role_addresses, submit  # noqa: F401
+from resources.cluster import live_workers, role_addresses, submit  # noqa: F401
 
 
 logger = logging.getLogger("dask_rl")
@@ -20,12 +20,19 @@ class RoleTimeout(TimeoutError):
     """A wait on a role's tasks ran past timeout_seconds."""
 
 
-def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, timeout: float) -> list:
+class WorkerLost(RuntimeError):
+    """A task pinned to one worker (a rank of a process group) lost that worker: it would
+    wait forever for it, so the wait ends as soon as the worker is gone."""
+
+
+def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, timeout: float,
+              pinned: dict[str, tuple[str, ...]] | None = None) -> list:
     """Results of `futures`, or RoleTimeout naming the role, the workers and what was awaited.
 
     The first failed task ends the wait at once (its siblings, e.g. the other ranks of one
-    process group, are cancelled). While the role has no live worker a warning says that
-    it waits for a replacement.
+    process group, are cancelled), and so does the loss of a worker a pending task is pinned
+    to (`pinned`: key -> the addresses it may run on): WorkerLost. While the role has no live
+    worker a warning says that it waits for a replacement.
     """
     futures = list(futures)
     deadline = time.monotonic() + timeout
@@ -38,17 +45,33 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
             failed[0].result()
         if not pending:
             return client.gather(futures)
+        if pinned:
+            _raise_if_pinned_worker_gone(client, pending, pinned, role, what)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise RoleTimeout(_describe_stuck(client, pending, role, what, timeout))
         try:
-            wait(pending, timeout=min(remaining, 5.0), return_when="FIRST_COMPLETED")
+            wait(pending, timeout=min(remaining, 1.0 if pinned else 5.0), return_when="FIRST_COMPLETED")
         except TimeoutError:
             if not warned and not role_addresses(client, role):
                 logger.warning("dask-rl: %s has no live worker; waiting up to %.0fs for a replacement "
                                "(update_resource or `dask-rl worker ... --role %s`) to finish %s",
                                role, remaining, role, what)
                 warned = True
+
+
+def _raise_if_pinned_worker_gone(client: Client, pending: list[Future], pinned: dict[str, tuple[str, ...]],
+                                 role: str, what: str) -> None:
+    stuck = [f for f in pending if f.key in pinned]
+    if not stuck:
+        return
+    live = set(live_workers(client))
+    gone = sorted({address for f in stuck for address in pinned[f.key]
+                   if not any(a in live for a in pinned[f.key])})
+    if gone:
+        client.cancel(pending)
+        raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster during {what}; its task was pinned "
+                         f"there and cannot run elsewhere")
 
 
 def _describe_stuck(client: Client, pending, role: str, what: str, timeout: float) -> str:

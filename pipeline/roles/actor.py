@@ -33,17 +33,20 @@ class PolicyStep:
     snapshot_dir: str
     transport: str = "shm"           # how rank 0 publishes: "shm", "cuda_ipc" or "dask" (see weights.py)
     keep_versions: int = 3           # published versions kept readable (batches in flight may still need them)
+    recovery_path: str | None = None  # where rank 0 saves the state after this update (None: not this step)
 
 
 class ActorRole:
     def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str,
-                 grad_clip: float = 1.0, dtype: str = "float32", gradient_checkpointing: bool = False):
+                 grad_clip: float = 1.0, dtype: str = "float32", gradient_checkpointing: bool = False,
+                 recovery_path: str | None = None):
         device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
         build = functools.partial(load_causal_lm, model_dir, dtype=getattr(torch, dtype))
         self.trainer = Trainable(build, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip,
-                                 gradient_checkpointing=gradient_checkpointing)
+                                 gradient_checkpointing=gradient_checkpointing, role_name="actor",
+                                 recovery_path=recovery_path)
         self.device = device
 
     def close(self) -> None:
@@ -51,8 +54,14 @@ class ActorRole:
 
     def update(self, mini_batches: list[Experience], group: GroupInfo,
                step: PolicyStep) -> tuple[dict[str, float], weights.WeightHandle | None]:
-        """Decoupled PPO on this rank's rows; rank 0 then publishes the new weights."""
+        """Decoupled PPO on this rank's rows; rank 0 then publishes the new weights.
+
+        Exactly once: a redo of an update this group already applied (the other role failed,
+        or a rank was lost after the step) returns the first result and publishes nothing new.
+        """
         self.trainer.join(group)
+        if self.trainer.applied(step.next_version):
+            return self.trainer.last_result
         # The proximal policy is the one before this update (the "old" policy of PPO's
         # clip); the rollout's own logprobs (the behaviour policy) enter through the
         # truncated importance weight, which corrects for staleness.
@@ -67,12 +76,13 @@ class ActorRole:
                 per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
                                                             tokens_per_row=batch.input_ids.shape[1]))
         totals = sum_stats(per_step)
+        if totals.get("refused_steps", 0) == len(per_step):  # no step applied: the published version stands
+            return totals, None
         # Collective under FSDP: every rank calls it.
         state = self.trainer.full_state_dict(on_device=step.transport == "cuda_ipc")
-        if state is None:
-            return totals, None
-        return totals, weights.publish(state, step.next_version, step.snapshot_dir, keep=step.keep_versions,
-                                       transport=step.transport)
+        handle = None if state is None else weights.publish(state, step.next_version, step.snapshot_dir,
+                                                            keep=step.keep_versions, transport=step.transport)
+        return self.trainer.record(step.next_version, (totals, handle), step.recovery_path)
 
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
         return in_row_chunks(response_logprobs, self.trainer.model.eval(), batch, step.micro_batch_size,

@@ -22,16 +22,19 @@ class CriticStep:
     micro_batch_size: int
     epochs: int
     normalizers: tuple[float, ...]   # global valid-token count of each mini-batch
+    next_version: int                # the policy version this update goes with (exactly once per version)
+    recovery_path: str | None = None  # where rank 0 saves the state after this update (None: not this step)
 
 
 class CriticRole:
     def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str, grad_clip: float = 1.0,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, recovery_path: str | None = None):
         device = resolve_device(device)
         from pipeline.models import ValueModel
 
         self.trainer = Trainable(lambda: ValueModel(model_dir), lr=lr, strategy=strategy, device=device,
-                                 grad_clip=grad_clip, gradient_checkpointing=gradient_checkpointing)
+                                 grad_clip=grad_clip, gradient_checkpointing=gradient_checkpointing,
+                                 role_name="critic", recovery_path=recovery_path)
         self.device = device
 
     def values(self, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
@@ -44,6 +47,8 @@ class CriticRole:
 
     def update(self, mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -> dict[str, float]:
         self.trainer.join(group)
+        if self.trainer.applied(step.next_version):  # a redo: the update is in already
+            return self.trainer.last_result
         per_step = []
         for _ in range(step.epochs):
             for batch, normalizer in zip(mini_batches, step.normalizers):
@@ -53,7 +58,7 @@ class CriticRole:
                 loss = lambda model, b: self._loss(model, b, step, normalizer)  # noqa: E731
                 per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
                                                             tokens_per_row=batch.input_ids.shape[1]))
-        return sum_stats(per_step)
+        return self.trainer.record(step.next_version, sum_stats(per_step), step.recovery_path)
 
     def _loss(self, model, batch: Experience, step: CriticStep, normalizer: float):
         to = lambda t: t.to(self.device)  # noqa: E731

@@ -9,6 +9,8 @@ gradient of the whole mini-batch, whatever the number of ranks.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
 from resources.allocator import MicroBatchAllocator
 
 logger = logging.getLogger("dask_rl")
@@ -33,18 +36,21 @@ class GroupInfo:
     generation: int          # changes whenever the role's membership changes: rebuild then
     timeout_seconds: float
     strategy: str = "ddp"    # "ddp" | "fsdp" | "none": how the ranks share the work
-    # After a membership change every rank rebuilds from a saved state: a full model and
-    # optimizer state (".pt", exported at the step boundary) or, when a rank died and
-    # nothing was exported, the last published policy weights (".safetensors").
+    # After a membership change every rank rebuilds from a saved state (saved_state.py):
+    # the state exported at the step boundary of a resize, or, when a rank was lost, the
+    # newest good state `recovery` points at.
     restore_path: str | None = None
+    recovery: Recovery | None = None
 
 
 class Trainable:
     """A model, its optimizer and its data-parallel group on one worker."""
 
     def __init__(self, build_model: Callable[[], nn.Module], *, lr: float, strategy: str, device: str,
-                 grad_clip: float = 1.0, weight_decay: float = 0.0, gradient_checkpointing: bool = False):
+                 grad_clip: float = 1.0, weight_decay: float = 0.0, gradient_checkpointing: bool = False,
+                 role_name: str = "trainable", recovery_path: str | None = None):
         self.build_model = build_model   # kept: a resize rebuilds an unsharded model
+        self.role_name = role_name       # for messages
         self.device = device
         self.gradient_checkpointing = gradient_checkpointing
         self.model = self._build()
@@ -56,6 +62,15 @@ class Trainable:
         self.optimizer = self._make_optimizer()
         self.allocator = MicroBatchAllocator()
         self.micro_batch_rows: int | None = None   # what the last step used (after any backoff)
+        # The last update applied (its version) and what it returned: a redo of that update
+        # (after a fault elsewhere) returns this instead of training on the batch again.
+        self.version = 0
+        self.last_result: Any = None
+        if recovery_path is not None and os.path.exists(recovery_path):
+            # This worker process was restarted mid-run (its Nanny does that after a crash):
+            # serve the current weights from the first task on, not the initial ones.
+            self._apply_state(load_state(recovery_path))
+            logger.warning("dask-rl: %s worker restarted; resumed its recovery state v%d", role_name, self.version)
 
     def _build(self) -> nn.Module:
         model = self.build_model().to(self.device)
@@ -80,18 +95,15 @@ class Trainable:
         """Make sure this worker is rank `group.rank` of the current group generation."""
         if self.group is not None and self.group.generation == group.generation:
             return
-        state = _load_restore(group.restore_path) if group.restore_path else None
-        if state is None and self._fsdp_active:
-            # Shards of a group that lost a member cannot be regathered: start over.
-            logger.warning("dask-rl: FSDP group changed with no saved state; rebuilding from the initial model")
-            state = {"model": self.build_model().state_dict(), "optim": None}
+        state = (load_state(group.restore_path) if group.restore_path else
+                 recover(group.recovery, self.role_name, lambda: self.build_model().state_dict())
+                 if group.recovery else None)
         if dist.is_initialized():  # the previous generation, or a group a replaced role object left
             dist.destroy_process_group()
         self.strategy = group.strategy if group.world_size > 1 else self.strategy
         if state is not None:  # start from the saved state, unsharded, then shard anew
             self.model = self._build()
-            self.model.load_state_dict(state["model"])
-            self.optimizer = self._make_optimizer()
+            self._apply_state(state, optimizer=False)
         self.group = group
         if group.world_size > 1:
             dist.init_process_group(
@@ -103,13 +115,26 @@ class Trainable:
             elif state is None:  # ddp: every rank starts from rank 0's parameters
                 for param in self.model.parameters():
                     dist.broadcast(param.data, src=0)
-        if state is not None and state.get("optim") is not None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state["optim"],
-                                     options=StateDictOptions(full_state_dict=True))
+        if state is not None:
+            self._load_optimizer(state)
         logger.info("dask-rl: joined group generation %d as rank %d/%d (%s, %s)", group.generation,
                     group.rank, group.world_size, group.backend, self.strategy)
+
+    def _apply_state(self, state: dict, optimizer: bool = True) -> None:
+        """Take a saved state, unsharded (join loads the optimizer's after any sharding)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer = self._make_optimizer()
+        if optimizer:
+            self._load_optimizer(state)
+        self.version, self.last_result = state["version"] or 0, state["result"]
+
+    def _load_optimizer(self, state: dict) -> None:
+        if state.get("optim") is None:  # published weights only: the moments start afresh
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state["optim"],
+                                 options=StateDictOptions(full_state_dict=True))
 
     def _shard(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -166,9 +191,17 @@ class Trainable:
         if self.world_size > 1 and not self._fsdp_active:
             self._all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
-        totals["grad_norm"] = float(norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+            totals["grad_norm"] = norm
+        else:
+            # A NaN/inf loss or gradient would poison every weight: refuse the step. The norm
+            # is computed from the reduced gradients, so every rank refuses the same steps.
+            logger.warning("dask-rl: %s refused an optimizer step: gradient norm %s (a non-finite loss or "
+                           "gradient); the weights stay as they were", self.role_name, norm)
+            totals["grad_norm"], totals["refused_steps"] = 0.0, 1.0
+        self.optimizer.zero_grad(set_to_none=True)
         return totals
 
     def _accumulate(self, micro_batches: list[Any], loss_fn, tokens_per_micro_batch: int) -> dict[str, float]:
@@ -225,16 +258,29 @@ class Trainable:
             return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         return {name: tensor.detach().to("cpu") for name, tensor in self.model.state_dict().items()}
 
+    # -- exactly once -----------------------------------------------------------------------
+    def applied(self, version: int) -> bool:
+        """Whether the update that produces `version` was applied already (this is a redo)."""
+        return self.version >= version
+
+    def record(self, version: int, result: Any, recovery_path: str | None) -> Any:
+        """The update to `version` is applied; save the recovery state when one is asked for
+        (rank 0 writes; collective under FSDP)."""
+        self.version, self.last_result = version, result
+        if recovery_path is not None:
+            self.export_state(recovery_path)
+        return result
+
     def export_state(self, path: str) -> str | None:
-        """Save the full model and optimizer state (rank 0 writes; collective under FSDP)
-        so that a resized group can start from exactly this state."""
+        """Save the full model and optimizer state with its version (rank 0 writes;
+        collective under FSDP) so that a group can start from exactly this state."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         if self.group is not None and self.group.rank != 0:
             return None
-        torch.save({"model": model_state, "optim": optim_state}, path)
+        save_state(path, model_state, optim_state, self.version, self.last_result)
         return path
 
     def save_pretrained(self, path: str, save: Callable[[nn.Module, str], None]) -> str | None:
@@ -258,7 +304,7 @@ class Trainable:
     def load_model_state(self, path: str) -> None:
         """A worker joining the role takes the exported weights before its first task, so the
         values or logprobs it computes before the next update come from the current model."""
-        self.model.load_state_dict(_load_restore(path)["model"])
+        self.model.load_state_dict(load_state(path)["model"])
 
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
@@ -273,11 +319,3 @@ def _blocks(model: nn.Module) -> nn.Module:
     raise TypeError(f"gradient_checkpointing needs a transformers model; {type(model).__name__} holds none: "
                     "set train.gradient_checkpointing: false")
 
-
-def _load_restore(path: str) -> dict:
-    if path.endswith(".safetensors"):  # published weights only: the optimizer starts afresh
-        from safetensors.torch import load_file
-
-        logger.warning("dask-rl: rebuilding from published weights %s; optimizer state starts afresh", path)
-        return {"model": load_file(path), "optim": None}
-    return torch.load(path, weights_only=False)

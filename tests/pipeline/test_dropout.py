@@ -91,7 +91,7 @@ def test_first_critic_step_sees_the_values_it_estimated(dropout_model):
     assert old_values.abs().sum() > 0
     # Returns one above the old values: with values == old values, (v - R)^2 = 1 per token.
     experience = _experience(rollout, old_values=old_values, returns=old_values + rollout.response_mask)
-    step = CriticStep(clip_range=0.2, micro_batch_size=4, epochs=1, normalizers=(14.0,))
+    step = CriticStep(clip_range=0.2, micro_batch_size=4, epochs=1, normalizers=(14.0,), next_version=1)
 
     stats = role.update([experience], ONE_RANK, step)
 

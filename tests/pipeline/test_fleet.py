@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.routes import WeightRoutes
+from pipeline.roles.saved_state import Recovery
 from resources.cluster import live_workers
 
 
@@ -21,15 +22,17 @@ def test_a_group_gets_a_new_generation_only_when_membership_or_strategy_changes(
     assert again == first                                 # same members: the same group, no new rendezvous
 
     groups.restore_paths["actor"] = "/tmp/actor-state.pt"
+    recovery = Recovery("/tmp/actor-recovery.pt", "/tmp/published.safetensors", 3)
     shrunk = groups.ranks("actor", actors[:1], strategy="ddp", backend="gloo", timeout_seconds=30,
-                          fallback_restore="/tmp/published.safetensors")
-    assert [(g.generation, g.world_size, g.restore_path) for g in shrunk] == [(1, 1, "/tmp/actor-state.pt")]
+                          recovery=recovery)
+    assert [(g.generation, g.world_size, g.restore_path, g.recovery) for g in shrunk] == [
+        (1, 1, "/tmp/actor-state.pt", None)]
     assert groups.members("actor") == (actors[0],) and "actor" not in groups.restore_paths
 
-    # Members changed with nothing exported (a rank was lost): the fallback is restored.
+    # Members changed with nothing exported (a rank was lost): the ranks recover.
     regrown = groups.ranks("actor", actors, strategy="ddp", backend="gloo", timeout_seconds=30,
-                           fallback_restore="/tmp/published.safetensors")
-    assert {(g.generation, g.restore_path) for g in regrown} == {(2, "/tmp/published.safetensors")}
+                           recovery=recovery)
+    assert {(g.generation, g.restore_path, g.recovery) for g in regrown} == {(2, None, recovery)}
     assert regrown[0].init_method != first[0].init_method   # a new generation rendezvouses anew
 
     sharded = groups.ranks("actor", actors, strategy="fsdp", backend="gloo", timeout_seconds=30)
