@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,12 @@ def _append(path: Path, rows: list[dict]) -> None:
 def _drop_from(path: Path, step: int) -> None:
     """Keep only the lines of steps before `step` (a resumed run writes the later ones anew)."""
     if path.is_file():
-        lines = [line for line in path.read_text().splitlines(keepends=True)
-                 if line.strip() and json.loads(line).get("step", -1) < step]
-        path.write_text("".join(lines))
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                                if _step_of(line) < step))
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", math.inf)
+    except json.JSONDecodeError:  # a line cut short by a crash: dropped with the later ones
+        return math.inf
