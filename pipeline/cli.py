@@ -22,13 +22,20 @@ def main(argv: list[str] | None = None) -> int:
     """Every error ends the command with one line on stderr naming the cause (and the fix,
     where the error knows it) and exit status 2; `--debug` prints the traceback too."""
     parser = _Parser(prog="dask-rl", description=__doc__)
+    from pipeline import __version__
+
+    parser.add_argument("--version", action="version", version=f"dask-rl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="train from a run file (resources + train section)")
     run.add_argument("file", help="run file, e.g. examples/quickstart.yaml")
     run.add_argument("--steps", type=int, help="override train.steps")
-    run.add_argument("--output-dir", help="where models, snapshots and the metrics log go")
+    run.add_argument("--output-dir", help="where the trained models, checkpoints, metrics and samples go")
     run.add_argument("--dashboard-address", default=":8787")
     run.add_argument("--scheduler-address", help="train on a running `dask-rl scheduler` and its `dask-rl worker`s")
+    run.add_argument("--resume", nargs="?", const=True, metavar="DIR",
+                     help="continue from the newest valid checkpoint under DIR (default: the output directory)")
+    run.add_argument("--sample-every", type=int, default=10, metavar="N",
+                     help="print one prompt/response/reward every N steps (0: never)")
     _add_cluster_commands(commands)
     for command in (parser, *commands.choices.values()):  # `dask-rl --debug run f` and `dask-rl run f --debug`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -66,7 +73,8 @@ def one_line(error: BaseException, limit: int = 1000) -> str:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return run_file(args.file, steps=args.steps, output_dir=args.output_dir,
-                        dashboard_address=args.dashboard_address, scheduler_address=args.scheduler_address)
+                        dashboard_address=args.dashboard_address, scheduler_address=args.scheduler_address,
+                        resume=args.resume, sample_every=args.sample_every)
     if args.command == "worker":
         return run_worker(args)
     if args.command == "scheduler":
@@ -178,18 +186,24 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 def run_file(path: str, *, steps: int | None = None, output_dir: str | None = None,
-             dashboard_address: str = ":8787", scheduler_address: str | None = None) -> int:
-    """Train as the run file says; print how the reward moved."""
+             dashboard_address: str = ":8787", scheduler_address: str | None = None,
+             resume: str | bool | None = None, sample_every: int = 10) -> int:
+    """Train as the run file says; print how the reward moved and where the results are.
+
+    Ctrl-C or SIGTERM ends the run after the step in flight (a checkpoint is written when
+    train.checkpoint is set, the models are saved, the cluster closed); exit 130 / 143. A
+    second Ctrl-C exits at once.
+    """
     if scheduler_address is not None:
         from resources.worker import check_scheduler
 
         check_scheduler(scheduler_address)  # first: nothing listening there is one line at once
-    import json
     import tempfile
 
+    from pipeline.checkpoint import CheckpointError
     from pipeline.config import TrainConfigError, load_run_file, make_train_config
     from pipeline.data import read_prompts
-    from pipeline.models import create_tiny_model
+    from pipeline.models import ModelSourceError, create_tiny_model
     from pipeline.rewards import resolve_reward_function
     from pipeline.trainer import HybridTrainer
     from resources.config import ResourceConfigError, shorten
@@ -219,6 +233,9 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
                                    f"path relative to the run file or an absolute one.")
         # Read now, not in the trainer: a bad line or a missing column is one line, before anything starts.
         prompts = read_prompts(prompts, run.train.prompt_column)
+        if resume is True and not (output_dir or inputs.get("output_dir")):
+            raise TrainConfigError("--resume without a directory resumes from the output directory, and none is "
+                                   "set. Fix: pass --output-dir (or train.output_dir), or --resume DIR.")
     except (ResourceConfigError, TrainConfigError, FileNotFoundError, ValueError, ImportError) as error:
         print(f"dask-rl: {error}", file=sys.stderr)
         return 2
@@ -228,23 +245,82 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     if actor_model == "tiny":  # the quickstart's local model: no hub needed
         actor_model = str(create_tiny_model(out / "tiny-model", seed=run.train.seed))
     train = {k: v for k, v in vars(run.train).items() if k != "algorithm"}
-    with HybridTrainer(actor_model, reward_model, run.resources, algorithm=run.train.algorithm,
-                       prompts=prompts, critic_model=inputs.get("critic_model"),
-                       reference_model=inputs.get("reference_model"), output_dir=str(out),
-                       dashboard_address=dashboard_address, scheduler_address=scheduler_address,
-                       **train) as trainer:
-        history = trainer.train()
-    with open(out / "metrics.jsonl", "w") as log:
-        for record in history:
-            log.write(json.dumps({"step": record.step, "reward": record.reward_mean, "kl": record.kl_mean,
-                                  "tokens_per_second": record.tokens_per_second,
-                                  "dropped_samples": record.dropped_samples, **record.losses}) + "\n")
+    stop = _StopOnSignal()
+    try:
+        trainer = HybridTrainer(actor_model, reward_model, run.resources, algorithm=run.train.algorithm,
+                                prompts=prompts, critic_model=inputs.get("critic_model"),
+                                reference_model=inputs.get("reference_model"), output_dir=str(out),
+                                dashboard_address=dashboard_address, scheduler_address=scheduler_address,
+                                resume=resume, **train)
+    except (ModelSourceError, CheckpointError) as error:  # raised before any worker starts
+        print(f"dask-rl: {error}", file=sys.stderr)
+        return 2
+    with stop.watching(trainer), trainer:
+        history = [] if stop.signal else trainer.train(on_step=lambda r: _show_sample(r, sample_every))
+    where = f"model in {out / 'actor'}, metrics in {out / 'metrics.jsonl'}"
+    if trainer.outputs.last_checkpoint is not None:
+        where += f", checkpoint in {trainer.outputs.last_checkpoint}"
+    if stop.signal:
+        print(f"dask-rl: stopped by {stop.signal.name} after step {trainer.first_step + len(history)}; {where}",
+              flush=True)
+        return 128 + stop.signal.value
     window = max(1, len(history) // 5)
     first = sum(r.reward_mean for r in history[:window]) / window
     last = sum(r.reward_mean for r in history[-window:]) / window
     print(f"dask-rl: mean reward of the first {window} steps {first:.3f}, of the last {window} steps {last:.3f}; "
-          f"metrics in {out / 'metrics.jsonl'}")
+          f"{where}")
     return 0
+
+
+def _show_sample(record, every: int) -> None:
+    if every and record.samples and (record.step + 1) % every == 0:
+        sample = record.samples[0]
+        print(f"dask-rl: step {record.step + 1} sample (reward {sample['reward']:.2f}): "
+              f"{sample['prompt']!r} -> {sample['response']!r}", flush=True)
+
+
+class _StopOnSignal:
+    """The first SIGINT or SIGTERM asks the trainer to stop after the step in flight; a
+    second SIGINT exits at once (the weight snapshots are removed first)."""
+
+    def __init__(self):
+        import signal
+
+        self.signal = None
+        self.trainer = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, number, frame) -> None:
+        import os
+        import shutil
+        import signal
+
+        if self.signal is not None and number == signal.SIGINT:
+            if self.trainer is not None:
+                shutil.rmtree(self.trainer.fleet.snapshot_dir, ignore_errors=True)
+            print("\ndask-rl: interrupted again; exiting now", file=sys.stderr, flush=True)
+            os._exit(130)
+        if self.signal is None:
+            self.signal = signal.Signals(number)
+            print(f"\ndask-rl: {self.signal.name}: stopping after the step in flight (Ctrl-C again to exit now)",
+                  file=sys.stderr, flush=True)
+            if self.trainer is not None:
+                self.trainer.request_stop()
+
+    def watching(self, trainer):
+        import contextlib
+        import signal
+
+        self.trainer = trainer
+
+        @contextlib.contextmanager
+        def restoring():
+            try:
+                yield
+            finally:
+                for number, handler in self._previous.items():
+                    signal.signal(number, handler)
+        return restoring()
 
 
 if __name__ == "__main__":

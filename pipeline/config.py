@@ -25,6 +25,38 @@ class TrainConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """`train.checkpoint`: save the full training state every `every_n_steps` steps (0 = only
+    at a requested stop), keeping the newest `keep_last`."""
+
+    every_n_steps: int = 0
+    keep_last: int = 2
+
+    def __post_init__(self):
+        for key, low, fix in (("every_n_steps", 0, "use 0 (off) or a number of steps, e.g. 50"),
+                              ("keep_last", 1, "keep 1 or more checkpoints, e.g. 2")):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise TrainConfigError(f"train.checkpoint.{key}: {_shown(value)} is not allowed. Fix: {fix}.")
+
+    @classmethod
+    def of(cls, value: Any, source: str) -> CheckpointConfig:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TrainConfigError(f"{source}: train.checkpoint: {_shown(value)} is not a mapping. "
+                                   f"Fix: write e.g. checkpoint: {{every_n_steps: 50, keep_last: 2}}.")
+        unknown = [key for key in value if key not in ("every_n_steps", "keep_last")]
+        if unknown:
+            raise TrainConfigError(f"{source}: train.checkpoint: unknown key {_shown(unknown[0])}. "
+                                   f"Fix: use every_n_steps and keep_last.")
+        try:
+            return cls(**value)
+        except TrainConfigError as error:
+            raise TrainConfigError(f"{source}: {error}") from None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Hyperparameters of a run. Every field can be given to HybridTrainer as a keyword."""
 
@@ -72,6 +104,9 @@ class TrainConfig:
     # model and optimizer state out (seconds for a 0.5B model) and the actor falls back to
     # its last published weights with fresh optimizer moments. 0: never.
     recovery_every_n_steps: int | None = None
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log_samples: int = 4              # prompt/response/reward rows per step written to samples.jsonl
+    wandb_project: str = ""           # log to this Weights & Biases project (needs wandb); "" = off
 
     def __post_init__(self):
         for f in fields(self):  # types first, so that the range checks below can compare
@@ -113,6 +148,7 @@ class TrainConfig:
                             "use auto, shm, cuda_ipc, broadcast or dask"),
             "reward_errors": (self.reward_errors in ("skip", "raise"), "use skip (drop bad samples) or raise"),
             "long_prompts": (self.long_prompts in ("refuse", "truncate", "drop"), "use refuse, truncate or drop"),
+            "log_samples": (self.log_samples >= 0, "use 0 (none) or a number of rows, e.g. 4"),
         }
         for key, (ok, fix) in checks.items():
             if not ok:
@@ -174,6 +210,8 @@ def make_train_config(values: Mapping[str, Any], *, source: str = "trainer argum
 
 
 def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
+    if type_name == "CheckpointConfig":
+        return CheckpointConfig.of(value, source)
     if type_name.endswith(" | None"):  # optional: null (or leaving the key out) means "auto"
         if value is None:
             return None

@@ -21,6 +21,7 @@ class InFlightBatch:
     """One step's data while it is being generated and scored: futures, one per shard."""
 
     index: int
+    prompt_position: int      # the prompt stream's position before this batch drew its prompts
     version: int              # policy version the rollouts are generated with
     rollouts: list
     scores: list
@@ -53,11 +54,11 @@ class InFlight:
 
     def _submit(self, version: int, weights) -> InFlightBatch:
         """Submit generation for one step's prompts, and scoring that starts as each shard lands."""
-        tc, fleet = self.train_config, self.fleet
+        tc, fleet, position = self.train_config, self.fleet, self.prompts.position
         prompts, draws = self.prompts.next_batch(tc.prompts_per_step)
         n_shards = max(1, min(len(fleet.addresses("rollout")), len(prompts)))
         index, self._submitted = self._submitted, self._submitted + 1
-        batch = InFlightBatch(index, version, [], [], [], [])
+        batch = InFlightBatch(index, position, version, [], [], [], [])
         for shard in range(n_shards):
             request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
                                         samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,
@@ -72,6 +73,16 @@ class InFlight:
             if "critic" in self.roles:
                 batch.values.append(fleet.submit("critic", critic.values, generated, tc.micro_batch_size, tag=tag))
         return batch
+
+    def resume_point(self) -> tuple[int, int]:
+        """(batch index, prompt position) of the first batch not trained on yet: a resumed run
+        submits again from there (batches in flight at the save are generated anew)."""
+        if self._pending:
+            return self._pending[0].index, self._pending[0].prompt_position
+        return self._submitted, self.prompts.position
+
+    def resume_from(self, index: int, prompt_position: int) -> None:
+        self._submitted, self.prompts.position = index, prompt_position
 
     def cancel(self) -> None:
         """Drop the batches still in flight (at close)."""

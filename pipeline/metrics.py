@@ -42,6 +42,16 @@ class StepRecord:
     degradations: list[str] = field(default_factory=list)
     oom_backoffs: int = 0
     dropped_samples: int = 0          # samples left out as bad (train.reward_errors: skip)
+    samples: list[dict] = field(default_factory=list)   # a few {"prompt", "response", "reward"} rows
+
+    def figures(self) -> dict[str, float]:
+        """The step's numbers, flat: a line of metrics.jsonl, a TensorBoard scalar each."""
+        return {"step": self.step, "policy_version": self.policy_version, "reward": self.reward_mean,
+                "kl": self.kl_mean, "response_length": self.response_length, "tokens": self.tokens,
+                "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
+                "staleness": self.staleness, "dropped_samples": self.dropped_samples,
+                "oom_backoffs": self.oom_backoffs, **self.losses,
+                **{f"seconds_{phase}": value for phase, value in self.phases.items()}}
 
     @property
     def tokens_per_second(self) -> float:

@@ -91,13 +91,35 @@ def load_causal_lm(path: str | os.PathLike, *, device: str = "cpu", dtype: torch
     return model.to(device)
 
 
-def materialize(model_or_path, directory: str | os.PathLike, tokenizer=None) -> str:
+class ModelSourceError(FileNotFoundError):
+    """A model argument that names neither a local model directory nor a hub model."""
+
+
+def check_model_source(source: str | os.PathLike, key: str) -> None:
+    """Raise ModelSourceError naming `key` unless transformers finds a model config at
+    `source` (a local directory, or a hub id it can reach or has cached)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        where = "the directory holds no config.json" if Path(source).is_dir() else \
+            "it is no local directory, and no hub model of that id could be loaded"
+        reason = str(error).strip().splitlines()[0][:200]
+        raise ModelSourceError(f"{key}: {str(source)!r}: {where} ({reason}). Fix: give the directory a model was "
+                               f"saved to with save_pretrained, or a hub id such as 'Qwen/Qwen2-0.5B' "
+                               f"(with network access or a filled cache).") from None
+
+
+def materialize(model_or_path, directory: str | os.PathLike, tokenizer=None, key: str = "actor_model") -> str:
     """Return a local directory holding the model (and tokenizer), so workers can load it.
 
-    A path or hub id is returned as is; an already-built transformers model object is
-    saved into `directory` once, since models must not travel through the scheduler.
+    A path or hub id is checked and returned as is (a wrong one raises ModelSourceError
+    naming `key`); an already-built transformers model object is saved into `directory`
+    once, since models must not travel through the scheduler.
     """
     if isinstance(model_or_path, (str, os.PathLike)):
+        check_model_source(model_or_path, key)
         return str(model_or_path)
     if not hasattr(model_or_path, "save_pretrained"):
         raise TypeError(f"expected a model path, hub id or transformers model, got {type(model_or_path).__name__}")
@@ -111,6 +133,9 @@ def materialize(model_or_path, directory: str | os.PathLike, tokenizer=None) -> 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) positions that skip left padding, as generation assigned them."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 class ValueModel(nn.Module):
@@ -128,6 +153,19 @@ class ValueModel(nn.Module):
         self.head = nn.Linear(self.body.config.hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if head_file.is_file():  # a critic saved by a run: its trained head comes back too
+            from safetensors.torch import load_file
+
+            self.head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(head_file)).items()})
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """The body in Hugging Face format (AutoModel loads it) and the value head beside it."""
+        from safetensors.torch import save_file
+
+        self.body.save_pretrained(path)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
+                  str(Path(path) / VALUE_HEAD_FILE))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, L) ids and mask -> (B, L) values, one per position."""

@@ -21,7 +21,7 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
     under `output_dir` first (workers load from paths). A trainable role's worker whose
     process was restarted picks up the role's recovery state in `snapshot_dir`."""
     def model_dir(model: Any, role: str) -> str:
-        return actor_dir if model is None else materialize(model, output_dir / f"{role}-init")
+        return actor_dir if model is None else materialize(model, output_dir / f"{role}-init", key=f"{role}_model")
 
     recipes: dict[str, Callable] = {
         "rollout": functools.partial(rollout.RolloutRole, actor_dir, engine=placement.role("rollout").strategy,
@@ -35,7 +35,8 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
         recipes["reward"] = functools.partial(reward.RewardRole, actor_dir, function=reward_model)
     else:
         recipes["reward"] = functools.partial(reward.RewardRole, actor_dir,
-                                              model_dir=materialize(reward_model, output_dir / "reward-init"))
+                                              model_dir=materialize(reward_model, output_dir / "reward-init",
+                                                                    key="reward_model"))
     if "reference" in roles:
         recipes["reference"] = functools.partial(reference.ReferenceRole, model_dir(reference_model, "reference"),
                                                  dtype=tc.dtype, micro_batch_size=tc.micro_batch_size)

@@ -7,6 +7,7 @@ weight routes, resizing, adaptive scaling, the timeout) is the Fleet's (pipeline
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from pipeline.engines import vllm as vllm_engine
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
 from pipeline.metrics import PhaseTimer, StepRecord, normalise_update_stats, sum_stats
 from pipeline.models import context_length, load_tokenizer, materialize
+from pipeline.outputs import RunOutputs
 from pipeline.recipes import role_recipes
 from pipeline.inflight import InFlight
 from pipeline.records import join_scores, join_shards, rank_shards
@@ -50,6 +52,8 @@ class HybridTrainer:
         cluster: an existing RoleCluster to run on (tests share one); else one is started.
         scheduler_address: join a running scheduler (`dask-rl scheduler`) whose role workers
             were started with `dask-rl worker` instead of starting a local cluster.
+        output_dir: where metrics, samples, checkpoints and the models go (pipeline/outputs.py).
+        resume: a checkpoint or a directory of them (True: output_dir's) to continue from.
         **train: any TrainConfig field (steps=..., prompts_per_step=..., ...).
     """
 
@@ -57,7 +61,8 @@ class HybridTrainer:
                  algorithm: str = "ppo", prompts: Any = None, *, critic_model: Any = None,
                  reference_model: Any = None, tokenizer: Any = None, output_dir: str | None = None,
                  cluster: RoleCluster | None = None, scheduler_address: str | None = None,
-                 dashboard_address: str = ":8787", show_progress: bool = True, **train: Any):
+                 dashboard_address: str = ":8787", show_progress: bool = True, resume: str | bool | None = None,
+                 **train: Any):
         self.train_config = tc = make_train_config({"algorithm": algorithm, **train})
         uses_vllm = config.role("rollout").strategy == "vllm"
         if uses_vllm and cluster is None and scheduler_address is None:
@@ -75,11 +80,14 @@ class HybridTrainer:
         self.prompts = PromptStream(token_ids, seed=tc.seed)
         self.show_progress = show_progress
         self.history: list[StepRecord] = []
+        self.stop_requested = False
         # No critic for GRPO; no reference model when the KL weight is 0 (it would only hold
         # a GPU and compute a term multiplied by 0).
         self.roles = ("rollout", "reward", *(("reference",) if tc.kl_coef > 0 else ()), "actor",
                       *(("critic",) if tc.algorithm == "ppo" else ()))
-        run_id = f"{int(time.time())}-{id(self) % 10_000}"
+        self.outputs = RunOutputs(self.output_dir, tc, self.tokenizer, self.roles)
+        resume_from = self.outputs.find_checkpoint(resume)  # before any worker starts: a bad one fails first
+        run_id = f"{os.getpid()}-{int(time.time())}-{id(self) % 10_000}"
         snapshot_dir = str(weights.default_snapshot_dir(run_id))
         self.fleet = Fleet(config, self.roles, snapshot_dir=snapshot_dir,
                            weight_sync=tc.weight_sync, cluster=cluster, scheduler_address=scheduler_address,
@@ -92,7 +100,9 @@ class HybridTrainer:
                                snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
         self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
-        print(f"dask-rl: dashboard at {self.fleet.cluster.dashboard_link}", flush=True)
+        self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
+        print(f"dask-rl: scheduler at {self.fleet.client.scheduler.address} (for `dask-rl worker` and "
+              f"`dask-rl scale`); dashboard at {self.fleet.cluster.dashboard_link}", flush=True)
 
     @property
     def resources(self) -> ResourceConfig:
@@ -110,12 +120,14 @@ class HybridTrainer:
     # -- the loop --------------------------------------------------------------------------
     def train(self, steps: int | None = None, on_step: Callable[[StepRecord], None] | None = None
               ) -> list[StepRecord]:
-        """Run `steps` (default: train.steps) updates with a progress bar; returns the records.
+        """Run `steps` updates (default: up to train.steps in all, counting the steps before a
+        resume) with a progress bar; returns the records.
 
         `on_step(record)` runs in the training thread after each step: a place to log, to
-        checkpoint, or to call update_resource between two steps.
+        checkpoint, or to call update_resource between two steps; request_stop() ends it.
         """
-        total = steps or self.train_config.steps
+        done = len(self.history)
+        total = steps or max(0, self.train_config.steps - self.first_step - done)
         bar = tqdm(range(total), desc=f"dask-rl {self.train_config.algorithm}", disable=not self.show_progress)
         if self.resources.adaptive and not self.fleet.adapting:  # the file's `adaptive:` section
             self.adapt()
@@ -126,9 +138,13 @@ class HybridTrainer:
                     bar.set_postfix(record.summary())
                     if on_step is not None:
                         on_step(record)
+                    if self.outputs.due(record.step + 1, stopping=self.stop_requested):
+                        self.save_checkpoint()
+                    if self.stop_requested:
+                        break
         finally:
             self.stop_adapting()
-        return self.history[-total:]
+        return self.history[done:]
 
     def step(self) -> StepRecord:
         """One update. Each phase is timed; the dataflow is the sequence of calls below."""
@@ -162,16 +178,18 @@ class HybridTrainer:
         # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
         with timer("update"):
             losses = self._update(experience)
-        record = StepRecord(step=len(self.history), policy_version=self.version, reward_mean=stats["reward_mean"],
-                            kl_mean=stats["kl_mean"], response_length=stats["response_length"],
+        record = StepRecord(step=self.first_step + len(self.history), policy_version=self.version,
+                            reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
-                            dropped_samples=dropped + stats["dropped_samples"])
+                            dropped_samples=dropped + stats["dropped_samples"],
+                            samples=self.outputs.samples(rollout_data, scores))
         # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).
         degraded = self.fleet.degradations()
         record.degradations = [d.line() for d in degraded]
         record.oom_backoffs = sum(d.cause == OUT_OF_MEMORY for d in degraded)
         self.history.append(record)
+        self.outputs.log(record)  # metrics.jsonl, samples.jsonl, TensorBoard: flushed now
         return record
 
     def _screen(self) -> SampleScreen:
@@ -280,11 +298,27 @@ class HybridTrainer:
         """Stop adaptive scaling; a move in progress finishes first."""
         self.fleet.stop_adapting()
 
+    # -- what the run keeps: pipeline/outputs.py ---------------------------------------------
+    def request_stop(self) -> None:
+        """Ask train() to end after the step in flight (safe from a signal handler or thread)."""
+        self.stop_requested = True
+
+    def save(self, path: str | None = None) -> dict[str, Path]:
+        """The actor (and critic) in Hugging Face format with the tokenizer: <path>/actor, ..."""
+        return self.outputs.save_models(self.fleet, path)
+
+    def save_checkpoint(self) -> Path:
+        """A checkpoint of everything resume needs, under <output_dir>/checkpoints."""
+        return self.outputs.save_checkpoint(self.fleet, self.batches, self.first_step + len(self.history))
+
     def close(self) -> None:
-        """Drop in-flight batches, then close the fleet: adaptive scaling stops, weight
-        snapshots are deleted, and a cluster this trainer started is closed."""
-        self.batches.cancel()
-        self.fleet.close()
+        """Save the models under output_dir (if trained since), drop in-flight batches, close
+        the fleet: adaptive scaling stops, snapshots are deleted, a cluster it started closes."""
+        try:
+            self.outputs.close(self.fleet)
+        finally:
+            self.batches.cancel()
+            self.fleet.close()
 
     def __enter__(self) -> HybridTrainer:
         return self

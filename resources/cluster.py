@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import dask
 from distributed import Client, Future, Scheduler, SpecCluster
 
-from resources.launcher import LocalLauncher, dask_worker_spec
+from resources.launcher import LocalLauncher, close_nannies, dask_worker_spec
 from resources.plan import WorkerSpec
 
 logger = logging.getLogger("dask_rl")
@@ -283,7 +283,14 @@ class RoleCluster:
             self.client.close()
             return
         self.client.close()
-        self.cluster.close()
+        try:
+            # A Nanny's own close gives its worker process 4 s to exit, then kills it with a
+            # warning; with torch and transformers loaded, interpreter shutdown alone can take
+            # longer on a busy machine. Closed first with more time, they exit by themselves.
+            self.cluster.sync(close_nannies, list(self.cluster.workers.values()), 30)
+            self.cluster.close()
+        except (TimeoutError, OSError) as error:  # the work is done and saved: closing never fails it
+            logger.warning("dask-rl: closing the cluster did not finish cleanly (%r)", error)
 
     def __enter__(self) -> RoleCluster:
         return self

@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+import threading
 from typing import Iterable
 
 from distributed import Client, Nanny
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from resources.plan import WorkerSpec
 
@@ -36,9 +39,24 @@ def dask_worker_spec(worker: WorkerSpec) -> dict:
         "silence_logs": logging.WARNING,
         "memory_limit": 0,
     }
-    if worker.device_type == "cuda":
-        options["plugins"] = _cuda_worker_plugins(worker.device_id)
+    options["plugins"] = {SignalsToTheDriver(), *(_cuda_worker_plugins(worker.device_id)
+                                                   if worker.device_type == "cuda" else ())}
     return {"cls": Nanny, "options": options}
+
+
+class SignalsToTheDriver(WorkerPlugin):
+    """Worker processes ignore SIGINT and SIGTERM. Ctrl-C in a terminal reaches every process
+    of the foreground group, and a batch scheduler's SIGTERM often does too: stopping is the
+    driver's (or the `dask-rl worker` Nanny's) job; it finishes the step, writes the
+    checkpoint and then closes its workers, which a worker that died first would make
+    impossible. A worker still ends with its Nanny, and on SIGKILL."""
+
+    name = "dask-rl-signals"
+
+    def setup(self, worker) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _cuda_worker_plugins(device_id: int) -> set:

@@ -191,9 +191,39 @@ def test_quickstart_learns_to_answer_with_digits(tmp_path):
     assert "mean reward of the first" in result.stdout
 
 
+def test_the_readme_python_block_is_examples_python_api_py():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## In Python\n\n```python\n", 1)[1].split("```\n", 1)[0]
+    assert block == (ROOT / "examples" / "python_api.py").read_text()
+
+
 @pytest.mark.slow
 def test_the_readme_python_example_runs():
     result = subprocess.run([sys.executable, "examples/python_api.py"], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "reward " in result.stdout and "rollout: +['rollout-1']" in result.stdout
+    model_dir = result.stdout.strip().splitlines()[-1].split("the model is in ")[1]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(model_dir).config.tie_word_embeddings
+
+
+def test_version_prints_the_package_version():
+    from pipeline import __version__
+
+    result = dask_rl("--version", timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"dask-rl {__version__}"
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/dask-rl-model", "examples"])
+def test_a_bad_actor_model_exits_2_with_one_line_naming_the_key(tmp_path, model):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(QUICKSTART.read_text().replace("actor_model: tiny", f"actor_model: {ROOT / model}")
+                        .replace("quickstart_prompts.jsonl", str(ROOT / "examples" / "quickstart_prompts.jsonl")))
+    result = dask_rl("run", str(run_file), "--output-dir", str(tmp_path / "out"), timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"dask-rl: actor_model: '{ROOT / model}'") and "Fix:" in lines[0]
+    assert ("holds no config.json" if model == "examples" else "no local directory") in lines[0]

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ("pipeline.cli", "pipeline.trainer", "pipeline.inflight", "pipeline.recipes", "pipeline.fleet")
+DRIVER = ("pipeline.cli", "pipeline.trainer", "pipeline.inflight", "pipeline.recipes", "pipeline.fleet",
+          "pipeline.outputs")
 # Pure modules the worker side builds on: they import neither the roles nor the driver.
 PURE = ("pipeline/algorithms.py", "pipeline/records.py", "pipeline/models.py", "pipeline/experience.py",
-        "pipeline/metrics.py", "pipeline/screening.py")
+        "pipeline/metrics.py", "pipeline/screening.py", "pipeline/checkpoint.py")
 
 
 def imported_modules(path: Path, root: Path = ROOT, runtime_only: bool = False) -> set[str]:

@@ -121,3 +121,16 @@ def update(mini_batches: list[Experience], group: GroupInfo,
 def export_state(path: str) -> str | None:
     """Task: every actor rank saves its part; rank 0 writes the full state to `path`."""
     return role_state("actor").trainer.export_state(path)
+
+
+def save_pretrained(path: str) -> str | None:
+    """Task: the policy in Hugging Face format under `path` (rank 0 writes; every rank runs it)."""
+    return role_state("actor").trainer.save_pretrained(path, lambda model, where: model.save_pretrained(where))
+
+
+def publish_loaded(version: int, snapshot_dir: str, transport: str, keep: int) -> weights.WeightHandle:
+    """Task: publish the weights this actor holds as `version` (a resumed run's first
+    rollouts must sample from the restored policy, not the initial one)."""
+    state = role_state("actor").trainer.full_state_dict(on_device=transport == "cuda_ipc")
+    handle = weights.publish(state, version, snapshot_dir, keep=keep, transport=transport)
+    return dataclasses.replace(handle, address=get_worker().address)

@@ -82,3 +82,9 @@ def update(mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -
 def export_state(path: str) -> str | None:
     """Task: every critic rank saves its part; rank 0 writes the full state to `path`."""
     return role_state("critic").trainer.export_state(path)
+
+
+def save_pretrained(path: str) -> str | None:
+    """Task: the critic under `path`: its transformer body in Hugging Face format plus the
+    value head (ValueModel(path) loads both back)."""
+    return role_state("critic").trainer.save_pretrained(path, lambda model, where: model.save_pretrained(where))

@@ -302,6 +302,24 @@ class Trainable:
         save_state(path, model_state, optim_state, self.version, self.last_result)
         return path
 
+    def save_pretrained(self, path: str, save: Callable[[nn.Module, str], None]) -> str | None:
+        """Write the model with `save(model, path)` on rank 0 (collective under FSDP).
+
+        Without FSDP the live model is written as it is, so tied tensors stay tied; a
+        sharded model is first gathered into an unsharded copy built like the original."""
+        if not self._fsdp_active:
+            if self.group is not None and self.group.rank != 0:
+                return None
+            save(self.model, path)
+            return path
+        state = self.full_state_dict()
+        if state is None:
+            return None
+        model = self.build_model()
+        model.load_state_dict(state)
+        save(model, path)
+        return path
+
     def load_model_state(self, path: str) -> None:
         """A worker joining the role takes the exported weights before its first task, so the
         values or logprobs it computes before the next update come from the current model."""
