@@ -220,14 +220,16 @@ class Fleet:
         with self._lock:
             if base is not self.config:  # another change landed since it was validated: re-derive
                 config = requested_config(self.config, request)
-            return self._reconcile(config)
+            return self._reconcile(config, request.component)
 
-    def _reconcile(self, new_config: ResourceConfig) -> list[ResourceChange]:
-        """Bring every role's live workers to what `new_config` says."""
+    def _reconcile(self, new_config: ResourceConfig, component: str) -> list[ResourceChange]:
+        """Bring the live workers of `component` (and of any role whose placement the change
+        touched) to what `new_config` says; other roles are left as they run (in connected
+        mode their workers were started by other hosts, not by this fleet)."""
         changes = []
         for role in self.roles:
-            if new_config.role(role) == self.config.role(role):
-                continue  # untouched: in connected mode the spec of a remote worker is not ours to redo
+            if role != component and new_config.role(role) == self.config.role(role):
+                continue
             start_time = time.perf_counter()
             live = {w["name"]: w["address"] for w in self.cluster.workers_of(role)}
             current = [spec for name, spec in self.cluster.specs.items() if name in live]
