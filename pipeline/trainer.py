@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from tqdm.auto import tqdm
 
 from pipeline import weights
@@ -21,14 +20,14 @@ from pipeline.config import make_train_config
 from pipeline.data import PromptStream, encode_prompts, fit_to_context, read_prompts
 from pipeline.engines import vllm as vllm_engine
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
-from pipeline.metrics import PhaseTimer, StepRecord, normalise_update_stats, sum_stats
+from pipeline.metrics import PhaseTimer, StepRecord
 from pipeline.models import context_length, load_tokenizer, materialize
 from pipeline.outputs import RunOutputs
 from pipeline.recipes import role_recipes
 from pipeline.inflight import InFlight
-from pipeline.records import join_scores, join_shards, rank_shards
-from pipeline.roles import actor, critic
+from pipeline.records import join_scores, join_shards
 from pipeline.screening import SampleScreen, checked_experience, screen_samples
+from pipeline.update import PolicyUpdate
 from resources.adaptive import RoleAdaptive
 from resources.allocator import OUT_OF_MEMORY
 from resources.cluster import RoleCluster
@@ -100,6 +99,7 @@ class HybridTrainer:
                                snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
         self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
+        self.update = PolicyUpdate(self.fleet, tc, self.roles)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
         print(f"dask-rl: scheduler at {self.fleet.client.scheduler.address} (for `dask-rl worker` and "
               f"`dask-rl scale`); dashboard at {self.fleet.cluster.dashboard_link}", flush=True)
@@ -177,7 +177,7 @@ class HybridTrainer:
                 lam=tc.lam, group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages)
         # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
         with timer("update"):
-            losses = self._update(experience)
+            losses = self.update(experience)
         record = StepRecord(step=self.first_step + len(self.history), policy_version=self.version,
                             reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
@@ -196,76 +196,6 @@ class HybridTrainer:
         """This step's rules for bad samples; every rank of the update needs a row of each mini-batch."""
         tc, ranks = self.train_config, max(len(self.fleet.addresses(r)) for r in self.roles if r in ("actor", "critic"))
         return SampleScreen(tc.reward_errors, tc.algorithm == "grpo", tc.mini_batches * ranks, self.tokenizer.decode)
-
-    def _update(self, experience) -> dict[str, float]:
-        """The update, redone once if a rank's worker died during it. Each role applies an
-        update exactly once (by version): in the redo a role that had finished returns its
-        first result, and a group that lost a rank rebuilds from its last good state."""
-        for attempt in (1, 2):
-            for role in self._lost_trainable_roles():  # a killed worker's Nanny restarts it: wait for it
-                self.fleet.await_replacements(role)
-            try:
-                return self._update_once(experience)
-            except Exception as error:
-                lost = self._lost_trainable_roles()
-                if attempt == 2 or not lost:
-                    raise
-                logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
-                for role in lost:
-                    self.fleet.free_survivors(role)
-
-    def _lost_trainable_roles(self) -> list[str]:
-        return [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]
-
-    def _update_once(self, experience) -> dict[str, float]:
-        tc, fleet = self.train_config, self.fleet
-        blocks = torch.arange(len(experience)).tensor_split(tc.mini_batches)
-        normalizers = tuple(float(experience.response_mask[b].sum()) for b in blocks)
-        policy_step = actor.PolicyStep(
-            clip_ratio=tc.clip_ratio, kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
-            temperature=tc.temperature, micro_batch_size=tc.micro_batch_size, epochs=tc.ppo_epochs,
-            is_cap=tc.is_cap, normalizers=normalizers, next_version=self.version + 1,
-            snapshot_dir=fleet.snapshot_dir, transport=fleet.publish_transport(),
-            # A batch submitted at version v may start generating after v+N is out: keep v.
-            keep_versions=tc.max_staleness + 2, recovery_path=self._recovery_path("actor"))
-        actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
-        if "critic" in self.roles:
-            critic_step = critic.CriticStep(clip_range=tc.value_clip, micro_batch_size=tc.micro_batch_size,
-                                            epochs=tc.ppo_epochs, normalizers=normalizers,
-                                            next_version=self.version + 1,
-                                            recovery_path=self._recovery_path("critic"))
-            critic_workers, critic_futures = self._rank_tasks("critic", critic.update, experience, critic_step)
-        results = fleet.wait("actor", actor_futures, "the policy update")
-        losses = sum_stats(stats for stats, _ in results)
-        for key in ("grad_norm", "refused_steps"):  # the same on every rank
-            losses[key] = losses.get(key, 0.0) / len(actor_workers)
-        if "critic" in self.roles:
-            critic_losses = sum_stats(fleet.wait("critic", critic_futures, "the critic update"))
-            critic_losses["critic_grad_norm"] = critic_losses.pop("grad_norm") / len(critic_workers)
-            critic_losses["critic_refused_steps"] = critic_losses.pop("refused_steps", 0.0) / len(critic_workers)
-            losses.update(critic_losses)
-        handle = results[0][1]
-        if handle is not None:
-            fleet.published(handle, actor_workers[0])
-        else:  # every optimizer step was refused (non-finite gradients): the last good version stays
-            logger.warning("dask-rl: the policy update applied no step; v%d stays published", self.version)
-        return normalise_update_stats(losses, tc.ppo_epochs * tc.mini_batches)
-
-    def _recovery_path(self, role: str) -> str | None:
-        """Where `role` saves its state after this update, when one is due (None: not now)."""
-        every = self.train_config.recovery_every_n_steps
-        if every is None:  # auto: cheap on CPU; on a GPU it copies the model and optimizer out
-            every = 1 if self.resources.role(role).device_type == "cpu" else 0
-        return self.fleet.recovery_path(role) if every and (self.version + 1) % every == 0 else None
-
-    def _rank_tasks(self, role: str, fn, experience, step) -> tuple[list[str], list]:
-        """One task per rank, pinned to its worker (ranks must run at the same time)."""
-        workers = self.fleet.addresses(role)
-        rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches)
-        groups = self.fleet.rank_groups(role, workers)
-        return workers, [self.fleet.submit(role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,
-                                           tag=f"{self.version}-r{rank}", workers=[address])
-                         for rank, address in enumerate(workers)]
 
     # -- placement: the fleet applies it ---------------------------------------------------
     def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,

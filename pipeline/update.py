@@ -1,0 +1,99 @@
+"""Phase 4 of a step, the update: one task per actor (and critic) rank, pinned to its worker.
+
+Each role applies an update exactly once, by version (the worker side remembers what it
+applied, roles/training.py); a rank lost during the update costs one redo, as soon as the
+loss is seen, on a group rebuilt from the role's last good state (roles/saved_state.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.fleet import Fleet
+from pipeline.metrics import normalise_update_stats, sum_stats
+from pipeline.records import Experience, rank_shards
+from pipeline.roles import actor, critic
+
+logger = logging.getLogger("dask_rl")
+
+
+class PolicyUpdate:
+    """`update(experience)` -> the step's losses; the actor's new weights are published."""
+
+    def __init__(self, fleet: Fleet, train_config: TrainConfig, roles: tuple[str, ...]):
+        self.fleet = fleet
+        self.train_config = train_config
+        self.roles = roles
+
+    def __call__(self, experience: Experience) -> dict[str, float]:
+        """The update, redone once if a rank's worker died during it. Each role applies an
+        update exactly once (by version): in the redo a role that had finished returns its
+        first result, and a group that lost a rank rebuilds from its last good state."""
+        for attempt in (1, 2):
+            for role in self._lost_roles():  # a killed worker's Nanny restarts it: wait for it
+                self.fleet.await_replacements(role)
+            try:
+                return self._once(experience)
+            except Exception as error:
+                lost = self._lost_roles()
+                if attempt == 2 or not lost:
+                    raise
+                logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
+                for role in lost:
+                    self.fleet.free_survivors(role)
+
+    def _lost_roles(self) -> list[str]:
+        return [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]
+
+    def _once(self, experience: Experience) -> dict[str, float]:
+        tc, fleet = self.train_config, self.fleet
+        blocks = torch.arange(len(experience)).tensor_split(tc.mini_batches)
+        normalizers = tuple(float(experience.response_mask[b].sum()) for b in blocks)
+        policy_step = actor.PolicyStep(
+            clip_ratio=tc.clip_ratio, kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
+            temperature=tc.temperature, micro_batch_size=tc.micro_batch_size, epochs=tc.ppo_epochs,
+            is_cap=tc.is_cap, normalizers=normalizers, next_version=self.fleet.version + 1,
+            snapshot_dir=fleet.snapshot_dir, transport=fleet.publish_transport(),
+            # A batch submitted at version v may start generating after v+N is out: keep v.
+            keep_versions=tc.max_staleness + 2, recovery_path=self._recovery_path("actor"))
+        actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
+        if "critic" in self.roles:
+            critic_step = critic.CriticStep(clip_range=tc.value_clip, micro_batch_size=tc.micro_batch_size,
+                                            epochs=tc.ppo_epochs, normalizers=normalizers,
+                                            next_version=self.fleet.version + 1,
+                                            recovery_path=self._recovery_path("critic"))
+            critic_workers, critic_futures = self._rank_tasks("critic", critic.update, experience, critic_step)
+        results = fleet.wait("actor", actor_futures, "the policy update")
+        losses = sum_stats(stats for stats, _ in results)
+        for key in ("grad_norm", "refused_steps"):  # the same on every rank
+            losses[key] = losses.get(key, 0.0) / len(actor_workers)
+        if "critic" in self.roles:
+            critic_losses = sum_stats(fleet.wait("critic", critic_futures, "the critic update"))
+            critic_losses["critic_grad_norm"] = critic_losses.pop("grad_norm") / len(critic_workers)
+            critic_losses["critic_refused_steps"] = critic_losses.pop("refused_steps", 0.0) / len(critic_workers)
+            losses.update(critic_losses)
+        handle = results[0][1]
+        if handle is not None:
+            fleet.published(handle, actor_workers[0])
+        else:  # every optimizer step was refused (non-finite gradients): the last good version stays
+            logger.warning("dask-rl: the policy update applied no step; v%d stays published", self.fleet.version)
+        return normalise_update_stats(losses, tc.ppo_epochs * tc.mini_batches)
+
+    def _recovery_path(self, role: str) -> str | None:
+        """Where `role` saves its state after this update, when one is due (None: not now)."""
+        every = self.train_config.recovery_every_n_steps
+        if every is None:  # auto: cheap on CPU; on a GPU it copies the model and optimizer out
+            every = 1 if self.fleet.config.role(role).device_type == "cpu" else 0
+        return self.fleet.recovery_path(role) if every and (self.fleet.version + 1) % every == 0 else None
+
+    def _rank_tasks(self, role: str, fn, experience, step) -> tuple[list[str], list]:
+        """One task per rank, pinned to its worker (ranks must run at the same time)."""
+        workers = self.fleet.addresses(role)
+        rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches)
+        groups = self.fleet.rank_groups(role, workers)
+        return workers, [self.fleet.submit(role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,
+                                           tag=f"{self.fleet.version}-r{rank}", workers=[address])
+                         for rank, address in enumerate(workers)]
