@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from pipeline import weights
+from pipeline import events, monitor, weights
 from pipeline.config import make_train_config
 from pipeline.data import PromptStream, encode_prompts, read_prompts
 from pipeline.engines import vllm as vllm_engine
@@ -49,6 +49,9 @@ class HybridTrainer:
         cluster: an existing RoleCluster to run on (tests share one); else one is started.
         scheduler_address: join a running scheduler (`dask-rl scheduler`) whose role workers
             were started with `dask-rl worker` instead of starting a local cluster.
+        dashboard_address / host: where the local cluster's dashboard, scheduler and workers
+            listen: this machine only unless `host` names an interface ("0.0.0.0": all).
+        security: a distributed Security (resources.cluster.tls_security) for TLS.
         **train: any TrainConfig field (steps=..., prompts_per_step=..., ...).
     """
 
@@ -56,7 +59,8 @@ class HybridTrainer:
                  algorithm: str = "ppo", prompts: Any = None, *, critic_model: Any = None,
                  reference_model: Any = None, tokenizer: Any = None, output_dir: str | None = None,
                  cluster: RoleCluster | None = None, scheduler_address: str | None = None,
-                 dashboard_address: str = ":8787", show_progress: bool = True, **train: Any):
+                 dashboard_address: str = ":8787", host: str = "127.0.0.1", security: Any = None,
+                 show_progress: bool = True, **train: Any):
         self.train_config = tc = make_train_config({"algorithm": algorithm, **train})
         uses_vllm = config.role("rollout").strategy == "vllm"
         if uses_vllm and cluster is None and scheduler_address is None:
@@ -76,11 +80,12 @@ class HybridTrainer:
         # a GPU and compute a term multiplied by 0).
         self.roles = ("rollout", "reward", *(("reference",) if tc.kl_coef > 0 else ()), "actor",
                       *(("critic",) if tc.algorithm == "ppo" else ()))
-        run_id = f"{int(time.time())}-{id(self) % 10_000}"
+        self.run_id = run_id = f"{int(time.time())}-{id(self) % 10_000}"
         snapshot_dir = str(weights.default_snapshot_dir(run_id))
         self.fleet = Fleet(config, self.roles, snapshot_dir=snapshot_dir,
                            weight_sync=tc.weight_sync, cluster=cluster, scheduler_address=scheduler_address,
-                           dashboard_address=dashboard_address)
+                           dashboard_address=dashboard_address, host=host, security=security)
+        monitor.watch(self.fleet.client, run_id, algorithm=tc.algorithm, roles=list(self.roles))
         if uses_vllm and (cluster is not None or scheduler_address is not None):
             # Workers started elsewhere may run another Python: ask them, before any model loads.
             vllm_engine.require_vllm_on(self.fleet.client, self.fleet.addresses("rollout"))
@@ -89,7 +94,8 @@ class HybridTrainer:
                                snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
         self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
-        print(f"dask-rl: dashboard at {self.fleet.cluster.dashboard_link}", flush=True)
+        link = self.fleet.cluster.dashboard_link
+        print(f"dask-rl: dashboard at {link}, RL page {link.rsplit('/', 1)[0]}{monitor.PAGE}", flush=True)
 
     @property
     def resources(self) -> ResourceConfig:
@@ -159,8 +165,12 @@ class HybridTrainer:
         record = StepRecord(step=len(self.history), policy_version=self.version, reward_mean=stats["reward_mean"],
                             kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
-                            staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds)
+                            staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
+                            reward_std=stats["reward_std"])
         self.history.append(record)
+        # The RL page's and /metrics' figures: one small message per step.
+        events.publish_step(self.fleet.client, self.run_id, record.as_dict(),
+                            events.decode_samples(self.tokenizer, rollout_data, scores))
         return record
 
     def _update(self, experience) -> dict[str, float]:

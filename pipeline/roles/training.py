@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline import events
 from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
 from resources.allocator import MicroBatchAllocator
 
@@ -187,6 +188,8 @@ class Trainable:
                 rows, before = self.allocator.backoff(rows), rows
                 logger.warning("dask-rl: out of memory with %d rows per micro-batch; redoing the step with %d",
                                before, rows)
+                events.emit("oom-backoff", f"out of memory with {before} rows per micro-batch; redoing the step "
+                            f"with {rows}", rows=rows)
         self.micro_batch_rows = rows
         if self.world_size > 1 and not self._fsdp_active:
             self._all_reduce_grads()
