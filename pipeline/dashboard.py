@@ -1,4 +1,5 @@
-"""The RL page of the Dask dashboard, role colours in the task stream, and a safe identity route.
+"""The RL page of the Dask dashboard, role colours in the task stream, and two routes that
+do not fail (`/json/identity.json`, `/sitemap.json`).
 
 `install()` must run in the scheduler's process before the scheduler starts, because Dask
 builds the dashboard's pages and HTTP routes once, at start. The trainer's own cluster and
@@ -47,7 +48,9 @@ def install() -> None:
     if ROUTES_MODULE not in routes:
         dask.config.set({"distributed.scheduler.http.routes": [ROUTES_MODULE, *routes]})
     _colour_task_stream_by_role()
-    # distributed builds each server's /sitemap.json route from this module attribute.
+    # distributed's RoutingApplication adds its /sitemap.json handler itself, ahead of every
+    # configured route, by this module-level name: no setting reaches it, so the class is
+    # replaced here, before the scheduler builds its HTTP server.
     routing.DirectoryHandler = SitemapJSON
     _installed = True
 

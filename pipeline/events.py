@@ -28,13 +28,13 @@ TEXT_LIMIT = 400              # characters kept of a prompt, a response or a rea
 def emit(kind: str, reason: str, *, client: Any = None, **fields: Any) -> None:
     """Publish one event ("scale", "adaptive", "oom-backoff", "fault", ...) with its reason.
 
-    Inside a task it goes out through the worker (and names the worker and its role);
-    elsewhere through `client`, or the default client. Fields must be plain values.
+    Inside a task it goes out through the worker, and names its role (the scheduler adds
+    the worker's address as "worker"); elsewhere through `client`, or the default client.
+    Fields must be plain values.
     """
     msg = {"kind": kind, "reason": shorten(str(reason)), "time": time.time(), **plain(fields)}
     worker = _current_worker()
     if worker is not None:
-        msg.setdefault("worker", str(worker.name))
         msg.setdefault("role", role_of(worker.state.total_resources))
     publish(EVENTS, msg, client=client, worker=worker)
 
@@ -74,7 +74,8 @@ def decode_samples(tokenizer, rollout, scores, n: int = 4) -> list[dict[str, Any
     rows = len(rollout)
     if rows == 0 or n <= 0:
         return []
-    picked = sorted({round(k * (rows - 1) / max(n - 1, 1)) for k in range(min(n, rows))})
+    count = min(n, rows)
+    picked = sorted({round(k * (rows - 1) / max(count - 1, 1)) for k in range(count)})
     prompt_length = rollout.prompt_length
     samples = []
     for row in picked:

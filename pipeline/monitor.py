@@ -46,6 +46,7 @@ class RLMonitor(SchedulerPlugin):
         self.event_counts: Counter[str] = Counter()
         self.steps_total = 0
         self.devices: dict[str, dict] = {}   # worker address -> its announcement
+        self.joined: dict[str, dict] = {}    # worker address -> name and role, as it registered
         self._compute: dict[str, float] = {}  # role -> compute seconds at the previous step
         self.changes = 0                      # bumped on every update: readers skip unchanged states
 
@@ -76,8 +77,14 @@ class RLMonitor(SchedulerPlugin):
         except Exception:  # a malformed message must not disturb the scheduler
             logger.debug("dask-rl: monitor skipped a %s message", topic, exc_info=True)
 
+    def add_worker(self, scheduler, worker: str) -> None:
+        ws = scheduler.workers[worker]
+        self.joined[worker] = {"name": str(ws.name), "role": events.role_of(ws.resources)}
+
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
+        # After log_event has seen its "remove-worker" message, which names it by address.
         self.devices.pop(worker, None)
+        self.joined.pop(worker, None)
 
     def _on_step(self, msg: dict) -> None:
         if msg.get("run") != self.run:  # a new training on this scheduler: its own plots
@@ -104,12 +111,15 @@ class RLMonitor(SchedulerPlugin):
 
     def _add_event(self, msg: dict) -> None:
         event = {"time": time.time(), **msg}
+        worker = self.scheduler.workers.get(event.get("worker")) if self.scheduler else None
+        if worker is not None:  # a worker's event carries its address: show its name
+            event["worker"] = str(worker.name)
         self.events.append(event)
         self.event_counts[str(event.get("kind", "event"))] += 1
 
     def _on_worker_lost(self, msg: dict) -> None:
         address = str(msg.get("worker"))
-        known = self.devices.get(address, {})
+        known = {**self.joined.get(address, {}), **self.devices.get(address, {})}
         running = len(msg.get("processing-tasks") or ())
         self._add_event({"kind": "fault", "worker": known.get("name", address), "role": known.get("role", ""),
                          "reason": f"worker {known.get('name', address)} left without being retired "

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -37,9 +39,12 @@ class ErrorLog(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
         self.records: list[logging.LogRecord] = []
+        self.unresponsive: list[str] = []  # Dask's "event loop was unresponsive" warnings, for diagnosis
 
     def emit(self, record):
-        if record.levelno >= logging.ERROR or record.exc_info or "dashboard" in record.getMessage():
+        if "unresponsive" in record.getMessage():
+            self.unresponsive.append(record.getMessage()[:120])
+        elif record.levelno >= logging.ERROR or record.exc_info or "dashboard" in record.getMessage():
             self.records.append(record)
 
     def __enter__(self):
@@ -52,12 +57,15 @@ class ErrorLog(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
-def fetch(url: str) -> tuple[int, str]:
+def fetch(url: str) -> tuple[int | str, str]:
+    """(status, body); a route that did not answer at all gives the reason as its status."""
     try:
-        with urllib.request.urlopen(url, timeout=30) as answer:
+        with urllib.request.urlopen(url, timeout=60) as answer:
             return answer.status, answer.read().decode(errors="replace")
     except urllib.error.HTTPError as error:
         return error.code, ""
+    except OSError as error:  # no answer in time, or the connection dropped
+        return repr(error), ""
 
 
 def concrete_routes(base: str, client) -> list[str]:
@@ -109,6 +117,9 @@ def _task_stream_colours(dask_scheduler=None):
 
 
 STEPS_SOURCE = "Bokeh.documents.length && Bokeh.documents[0].get_model_by_name('dask-rl-steps')"
+# A source's columns as plain arrays (BokehJS may hold them as typed arrays).
+COLUMNS = ("(name => {{ const d = Bokeh.documents[0].get_model_by_name(name).data; const out = {{}};"
+           " for (const k of Object.keys(d)) out[k] = Array.from(d[k]); return out; }})('{}')")
 
 
 @pytest.fixture(scope="module")
@@ -127,18 +138,21 @@ def watched_run(shared_cluster, shared_config, tiny_model, prompts, tmp_path_fac
             browser = open_during_the_run.enter_context(Browser(chromium)) if chromium else None
             if browser is not None:  # opened before the first step: the points must arrive live
                 browser.open(base + PAGE)
-                browser.wait_for(STEPS_SOURCE)
+                browser.wait_for(f"!!({STEPS_SOURCE})")
             routes = concrete_routes(base, client)
             # A Bokeh page builds its document (and periodic callbacks) at each GET: those are asked
             # for once during the run and once after; the plain routes again and again meanwhile.
             plain = [r for r in routes if r.startswith(("/json/", "/info", "/metrics", "/health", "/sitemap",
                                                          "/individual-plots"))]
             statuses: dict[str, set[int]] = {}
+            slowest: dict[str, float] = {}  # seconds of each route's slowest answer, to read on a failure
             done = threading.Event()
 
             def poll(paths):
                 for route in paths:
+                    start = time.monotonic()
                     statuses.setdefault(route, set()).add(fetch(base + route)[0])
+                    slowest[route] = max(slowest.get(route, 0.0), time.monotonic() - start)
 
             def during_the_run():
                 poll(routes)
@@ -155,12 +169,14 @@ def watched_run(shared_cluster, shared_config, tiny_model, prompts, tmp_path_fac
             events.emit("fault", "a driver-side event for the RL page", client=client)
             page = read_rl_page(browser, len(records), tmp_path_factory.mktemp("rl-page")) if browser else None
         yield {"trainer": trainer, "records": records, "statuses": statuses, "errors": errors.records,
-               "base": base, "page": page}
+               "base": base, "page": page, "slowest": sorted(slowest.items(), key=lambda kv: -kv[1])[:8],
+               "unresponsive": errors.unresponsive}
 
 
 def read_rl_page(browser: Browser, steps: int, tmp_path) -> dict:
     """What the open RL page plots once `steps` points arrived, and its screenshot."""
     browser.wait_for(f"{STEPS_SOURCE}.data.step.length >= {steps}", timeout=60)
+    browser.wait_for("Bokeh.documents[0].get_model_by_name('dask-rl-events').data.reason.length > 0", timeout=30)
     data = browser.evaluate(f"(() => {{ const d = {STEPS_SOURCE}.data; const out = {{}};"
                             " for (const k of Object.keys(d)) out[k] = Array.from(d[k]); return out; })()")
     tables = browser.evaluate("Object.fromEntries(['dask-rl-workers', 'dask-rl-samples', 'dask-rl-events']"
@@ -179,7 +195,8 @@ def test_every_dashboard_route_answers_during_a_run_without_logging_errors(watch
     # A task may be gone by the time its page is asked for: 404 is the right answer then.
     bad = {route: codes for route, codes in statuses.items()
            if codes - ({200, 404} if route.startswith(("/info/task/", "/info/call-stack/")) else {200})}
-    assert bad == {}
+    assert bad == {}, (f"slowest routes (s): {watched_run['slowest']}; the scheduler's loop said: "
+                       f"{watched_run['unresponsive']}")
     assert [f"{r.name}: {r.getMessage()}" for r in watched_run["errors"]] == []
 
 
@@ -200,7 +217,7 @@ def test_the_rl_page_in_a_headless_browser_plots_the_live_run(watched_run, measu
     for role in trainer.roles:
         assert all(value > 0 for value in data[f"tps:{role}"])
     tables = page["tables"]
-    assert sorted(tables["dask-rl-workers"]["name"]) == sorted(trainer.cluster.specs)
+    assert sorted(tables["dask-rl-workers"]["name"]) == sorted(trainer.fleet.cluster.specs)
     assert set(tables["dask-rl-workers"]["devices"]) == {"cpu"}
     assert len(tables["dask-rl-samples"]["prompt"]) == 4 and set(tables["dask-rl-samples"]["step"]) == {2}
     assert "a driver-side event for the RL page" in tables["dask-rl-events"]["reason"][0]
@@ -246,7 +263,7 @@ def test_metrics_export_the_runs_figures_labelled_by_role(watched_run):
 
 def test_the_scheduler_holds_the_runs_steps_samples_and_workers(watched_run, prompts):
     trainer, records = watched_run["trainer"], watched_run["records"]
-    state = trainer.client.run_on_scheduler(_monitor_state)
+    state = trainer.fleet.client.run_on_scheduler(_monitor_state)
     assert state["run"] == trainer.run_id
     assert [s["step"] for s in state["steps"]] == [r.step for r in records]
     assert [s["reward_mean"] for s in state["steps"]] == pytest.approx([r.reward_mean for r in records])
@@ -254,13 +271,13 @@ def test_the_scheduler_holds_the_runs_steps_samples_and_workers(watched_run, pro
     for sample in state["samples"]:  # decoded as the reward role decodes them: the reward recomputes
         assert sample["prompt"] in prompts
         assert sample["reward"] == pytest.approx(digit_fraction(sample["prompt"], sample["response"]))
-    assert {w["name"] for w in state["workers"]} == set(trainer.cluster.specs)
+    assert {w["name"] for w in state["workers"]} == set(trainer.fleet.cluster.specs)
     assert {w["role"] for w in state["workers"]} == set(trainer.roles)
     assert all(w["devices"] == "cpu" and w["memory"] > 0 for w in state["workers"])
 
 
 def test_task_stream_colours_tell_the_roles_apart(watched_run):
-    colours = watched_run["trainer"].client.run_on_scheduler(_task_stream_colours)
+    colours = watched_run["trainer"].fleet.client.run_on_scheduler(_task_stream_colours)
     by_role: dict[str, set[str]] = {}
     for name, colour in colours:
         role = name.split("-", 1)[0]
@@ -327,3 +344,57 @@ def test_the_scheduler_dashboard_and_workers_listen_on_localhost_only(shared_clu
                  if c.status == psutil.CONN_LISTEN and c.laddr.port in ports]
     assert {c.laddr.port for c in listening} == ports
     assert {c.laddr.ip for c in listening} == {"127.0.0.1"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_metrics_and_the_worker_table_show_gpu_memory_per_role_on_a_gpu(tiny_model, prompts):
+    """`pytest -m gpu`: rollout and actor on GPU 0, reward on CPU; NVML's figures per role worker."""
+    from resources import load_resource_config
+
+    config = load_resource_config({"actor": {"device_type": "cuda", "device_ids": [0]},
+                                   "rollout": {"device_type": "cuda", "device_ids": [0], "strategy": "hf"},
+                                   "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True,
+                                   "timeout_seconds": 300})
+    with HybridTrainer(tiny_model, digit_fraction, config, algorithm="grpo", prompts=prompts, steps=2,
+                       kl_coef=0.0, samples_per_prompt=2, dashboard_address=":0", **SMALL) as trainer:
+        trainer.train()
+        base = trainer.fleet.cluster.dashboard_link.rsplit("/", 1)[0]
+        gpu = {}
+        for _ in range(20):  # NVML figures ride on the workers' heartbeats
+            status, text = fetch(base + "/metrics")
+            assert status == 200
+            gpu = {(s.labels["role"], s.labels["devices"]): s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples if s.name == "dask_rl_worker_gpu_memory_used_bytes"}
+            if len(gpu) == 2:
+                break
+            time.sleep(1)
+        assert set(gpu) == {("actor", "0"), ("rollout", "0")} and min(gpu.values()) > 0
+        workers = {w["role"]: w for w in trainer.fleet.client.run_on_scheduler(_monitor_state)["workers"]}
+        assert workers["actor"]["devices"] == "0" and workers["reward"]["devices"] == "cpu"
+        assert workers["actor"]["gpu_memory_total"] > workers["actor"]["gpu_memory_used"] > 0
+
+
+async def _crash():  # a coroutine: client.run need not wait for an answer that never comes
+    os._exit(1)  # a worker process dying, as on a segfault or an OOM kill
+
+
+def test_a_worker_lost_without_retiring_is_a_fault_event_naming_it():
+    """A worker process that dies is logged with its name and role; its Nanny restarts it."""
+    from resources.cluster import RoleCluster
+    from resources.plan import WorkerSpec
+
+    worker = WorkerSpec(name="reward-0", role="reward", device_type="cpu", device_id=None, env=())
+    with RoleCluster([worker], dashboard_address=":0", preload=["pipeline.dashboard"]) as cluster:
+        client = cluster.client
+        client.run(_crash, wait=False)
+
+        def faults(dask_scheduler=None):
+            return [e for e in dask_scheduler.plugins[NAME].events if e["kind"] == "fault"]
+
+        deadline = time.monotonic() + 60
+        while not client.run_on_scheduler(faults) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [fault] = client.run_on_scheduler(faults)
+        assert fault["worker"] == "reward-0" and fault["role"] == "reward"
+        assert fault["reason"].startswith("worker reward-0 left without being retired")
