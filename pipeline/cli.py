@@ -55,8 +55,9 @@ def security_from(args: argparse.Namespace):
     if not (args.tls_ca_file or args.tls_cert):
         return None
     if not (args.tls_ca_file and args.tls_cert):
-        raise SystemExit("dask-rl: TLS needs both --tls-ca-file and --tls-cert (and --tls-key unless the cert "
-                         "file holds the key)")
+        print("dask-rl: TLS needs both --tls-ca-file and --tls-cert (and --tls-key unless the cert file holds "
+              "the key). Fix: give the CA file and this host's certificate", file=sys.stderr)
+        raise SystemExit(2)
     from resources.cluster import tls_security
 
     return tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
