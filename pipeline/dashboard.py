@@ -191,7 +191,7 @@ class RLPage:
         self.root = column(
             self.header, row(self.reward, self.kl, self.lag, sizing_mode="stretch_width"),
             row(self.losses, self.throughput, sizing_mode="stretch_width"),
-            Div(text="<b>Role workers</b>"), table(self.workers, WORKER_TABLE, 160),
+            Div(text="<b>Role workers</b>"), table(self.workers, WORKER_TABLE, 240),
             Div(text="<b>Latest samples</b>"), table(self.samples, SAMPLE_TABLE, 150),
             Div(text="<b>Scaling, OOM-backoff and fault events</b>"), table(self.events, EVENT_TABLE, 200),
             sizing_mode="stretch_width")

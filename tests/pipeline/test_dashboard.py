@@ -1,5 +1,7 @@
-"""Watching a run: the scheduler's RL figures, `/metrics`, every dashboard route during a run,
-role colours in the task stream, and where the cluster listens (the shared CPU cluster)."""
+"""Watching a run: the RL page in a headless Chromium, the scheduler's RL figures, `/metrics`,
+every dashboard route during a run, role colours in the task stream, and where the cluster
+listens (on the shared CPU cluster); a lost worker's fault event (a cluster of its own); GPU
+memory per role worker (`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -135,10 +137,12 @@ def watched_run(shared_cluster, shared_config, tiny_model, prompts, tmp_path_fac
                                 cluster=shared_cluster, steps=3, **SMALL)
         open_during_the_run.callback(trainer.close)
         with ErrorLog() as errors:
+            browser_start = time.monotonic()
             browser = open_during_the_run.enter_context(Browser(chromium)) if chromium else None
             if browser is not None:  # opened before the first step: the points must arrive live
                 browser.open(base + PAGE)
                 browser.wait_for(f"!!({STEPS_SOURCE})")
+            browser_seconds = time.monotonic() - browser_start
             routes = concrete_routes(base, client)
             # A Bokeh page builds its document (and periodic callbacks) at each GET: those are asked
             # for once during the run and once after; the plain routes again and again meanwhile.
@@ -167,10 +171,13 @@ def watched_run(shared_cluster, shared_config, tiny_model, prompts, tmp_path_fac
             poll(routes)
             # One event through the public path, so the page's event table has a row to show.
             events.emit("fault", "a driver-side event for the RL page", client=client)
+            read_start = time.monotonic()
             page = read_rl_page(browser, len(records), tmp_path_factory.mktemp("rl-page")) if browser else None
+            browser_seconds += time.monotonic() - read_start
         yield {"trainer": trainer, "records": records, "statuses": statuses, "errors": errors.records,
                "base": base, "page": page, "slowest": sorted(slowest.items(), key=lambda kv: -kv[1])[:8],
-               "unresponsive": errors.unresponsive}
+               "unresponsive": errors.unresponsive,
+               "browser_seconds": browser_seconds}
 
 
 def read_rl_page(browser: Browser, steps: int, tmp_path) -> dict:
@@ -224,7 +231,8 @@ def test_the_rl_page_in_a_headless_browser_plots_the_live_run(watched_run, measu
     assert page["renderers"] >= 5  # reward band and line, KL, lag, a loss line, a throughput line
     png = page["screenshot"].read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
-    measured(f"RL page screenshot: {page['copy']} (also {page['screenshot']})")
+    measured(f"RL page screenshot: {page['copy']} (also {page['screenshot']}); Chromium's part of the run "
+             f"(start, load, read, screenshot): {watched_run['browser_seconds']:.1f}s")
 
 
 def test_the_rl_page_is_listed_for_the_dashboard_menu_and_dask_labextension(watched_run):

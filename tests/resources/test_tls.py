@@ -99,7 +99,8 @@ def test_dask_rl_scheduler_and_worker_over_tls_and_a_half_given_tls_flag_refused
             try:
                 with Client(address, security=tls_security(ca, cert), timeout=60) as client:
                     client.wait_for_workers(1, timeout=120)
-                    assert submit(client, "reward", abs, -3).result(timeout=60) == 3  # a builtin: the scheduler imports no test
+                    # A builtin: this scheduler's process cannot import the test module.
+                    assert submit(client, "reward", abs, -3).result(timeout=60) == 3
             finally:
                 worker.send_signal(signal.SIGINT)
                 worker.wait(60)
