@@ -6,25 +6,69 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors on one line like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}. Fix: see `{self.prog} --help`.\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dask-rl", description=__doc__)
+    """Every error ends the command with one line on stderr naming the cause (and the fix,
+    where the error knows it) and exit status 2; `--debug` prints the traceback too."""
+    parser = _Parser(prog="dask-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="train from a run file (resources + train section)")
     run.add_argument("file", help="run file, e.g. examples/quickstart.yaml")
     run.add_argument("--steps", type=int, help="override train.steps")
     run.add_argument("--output-dir", help="where models, snapshots and the metrics log go")
     _add_listen_flags(run, "the scheduler, its dashboard and the workers")
+    run.add_argument("--scheduler-address", help="train on a running `dask-rl scheduler` and its `dask-rl worker`s")
     _add_tls_flags(run)
     _add_cluster_commands(commands)
+    for command in (parser, *commands.choices.values()):  # `dask-rl --debug run f` and `dask-rl run f --debug`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="on an error, print its traceback too")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print(f"dask-rl {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - the one place every error becomes one line
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"dask-rl {args.command}: {one_line(error)}", file=sys.stderr)
+        return 2
+
+
+# Errors whose message is written for the user (it names the key or value and the fix):
+# shown as they are; any other is shown with its type, which says what failed.
+_USER_ERRORS = (ValueError, KeyError, TimeoutError, ConnectionError, FileNotFoundError, ImportError)
+
+
+def one_line(error: BaseException, limit: int = 1000) -> str:
+    """`error` as one line of at most `limit` characters, ending with a fix."""
+    text = error.args[0] if type(error) is KeyError and error.args else error  # KeyError's str() quotes it
+    message = " ".join(str(text).split())
+    if not isinstance(error, _USER_ERRORS) or not message:
+        message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    if "Fix:" not in message:
+        message += ". Fix: rerun with --debug for the traceback, and check the workers' logs on the dashboard"
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return run_file(args.file, steps=args.steps, output_dir=args.output_dir,
-                        dashboard_address=args.dashboard_address, host=args.host, security=security_from(args))
+                        dashboard_address=args.dashboard_address, scheduler_address=args.scheduler_address,
+                        host=args.host, security=security_from(args))
     if args.command == "worker":
         return run_worker(args)
     if args.command == "scheduler":
@@ -101,13 +145,16 @@ def _add_cluster_commands(commands) -> None:
 
 def run_scale(args: argparse.Namespace) -> int:
     """`dask-rl scale ADDRESS --role R ...`: prints what changed, or the trainer's error."""
+    from resources.worker import check_scheduler
+
+    check_scheduler(args.address)  # nothing listening: one line at once, not Dask's 30 s of retries
     from distributed import Client
 
     from pipeline.fleet.boundary import send_remote_request
 
     request = {"component": args.role, "device_ids": args.device_ids, "strategy": args.strategy,
                "workers": args.workers, "device_type": args.device_type}
-    with Client(args.address, timeout=30, security=security_from(args)) as client:
+    with Client(args.address, timeout=10, security=security_from(args)) as client:
         answer = send_remote_request(client, request, args.timeout)
     if "error" in answer:
         print(f"dask-rl scale: {answer['error']}", file=sys.stderr)
@@ -172,8 +219,13 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 def run_file(path: str, *, steps: int | None = None, output_dir: str | None = None,
-             dashboard_address: str = ":8787", host: str = "127.0.0.1", security=None) -> int:
+             dashboard_address: str = ":8787", scheduler_address: str | None = None, host: str = "127.0.0.1",
+             security=None) -> int:
     """Train as the run file says; print how the reward moved."""
+    if scheduler_address is not None:
+        from resources.worker import check_scheduler
+
+        check_scheduler(scheduler_address)  # first: nothing listening there is one line at once
     import json
     import tempfile
 
@@ -221,12 +273,14 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     with HybridTrainer(actor_model, reward_model, run.resources, algorithm=run.train.algorithm,
                        prompts=prompts, critic_model=inputs.get("critic_model"),
                        reference_model=inputs.get("reference_model"), output_dir=str(out),
-                       dashboard_address=dashboard_address, host=host, security=security, **train) as trainer:
+                       dashboard_address=dashboard_address, scheduler_address=scheduler_address, host=host,
+                       security=security, **train) as trainer:
         history = trainer.train()
     with open(out / "metrics.jsonl", "w") as log:
         for record in history:
             log.write(json.dumps({"step": record.step, "reward": record.reward_mean, "kl": record.kl_mean,
-                                  "tokens_per_second": record.tokens_per_second, **record.losses}) + "\n")
+                                  "tokens_per_second": record.tokens_per_second,
+                                  "dropped_samples": record.dropped_samples, **record.losses}) + "\n")
     window = max(1, len(history) // 5)
     first = sum(r.reward_mean for r in history[:window]) / window
     last = sum(r.reward_mean for r in history[-window:]) / window

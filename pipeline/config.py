@@ -58,6 +58,14 @@ class TrainConfig:
     # broadcast group to other hosts), or force one of "shm", "cuda_ipc" (readers on the
     # actor's GPU: ~5 ms for 1 GB on an H200), "broadcast", "dask" (the slow fallback).
     weight_sync: str = "auto"
+    # A sample whose reward (or reference log-probs, critic values, advantages) is not one
+    # finite number: "skip" drops it (GRPO: with its group), logs and counts it; "raise"
+    # stops the run at the first one.
+    reward_errors: str = "skip"
+    # A prompt longer than the model's context minus max_new_tokens: "refuse" the prompt
+    # file, "truncate" it (its first tokens are dropped, keeping the end, where the question
+    # usually is) or "drop" it.
+    long_prompts: str = "refuse"
     # After every N-th update the actor's and critic's rank 0 save model and optimizer state
     # beside the weight snapshots: a group that loses a rank rebuilds from it, exactly.
     # None (auto): every update for roles on CPU; never on a GPU, where a save copies the
@@ -103,6 +111,8 @@ class TrainConfig:
                 and self.recovery_every_n_steps >= 0), "use 0 (never), a positive number of steps, or leave it out"),
             "weight_sync": (self.weight_sync in ("auto", "shm", "cuda_ipc", "broadcast", "dask"),
                             "use auto, shm, cuda_ipc, broadcast or dask"),
+            "reward_errors": (self.reward_errors in ("skip", "raise"), "use skip (drop bad samples) or raise"),
+            "long_prompts": (self.long_prompts in ("refuse", "truncate", "drop"), "use refuse, truncate or drop"),
         }
         for key, (ok, fix) in checks.items():
             if not ok:
@@ -195,7 +205,8 @@ def load_run_file(path: str | os.PathLike) -> RunFile:
     """Read a run file such as examples/quickstart.yaml (resources at the top, `train:` below)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"run file {path} does not exist")
+        raise FileNotFoundError(f"run file {path} does not exist. Fix: check the path (examples/quickstart.yaml "
+                                f"is one to start from)")
     # The resource parser's strict reader: a key written twice is an error, not "last wins".
     data = read_yaml(path, str(path)) or {}
     resources = parse_resource_config(data, source=str(path))

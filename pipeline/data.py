@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -11,6 +12,10 @@ from typing import Any, Iterable
 
 from resources.config import shorten
 
+logger = logging.getLogger("dask_rl")
+# A JSONL line past this is not a prompt (1M characters is far past any model's context):
+# most likely a binary or one-line file, which must not be read into memory whole.
+MAX_LINE_BYTES = 4 << 20
 FIX_COLUMN = "set prompt_column to the field that holds the prompt text"
 
 
@@ -73,9 +78,12 @@ def _read_parquet(path: Path, column: str) -> list[str]:
 def _read_jsonl(path: Path, column: str) -> list[str]:
     texts = []
     with path.open("rb") as file:  # line by line: one bad line is named, and a big file streams
-        for number, raw in enumerate(file, start=1):
+        for number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            where = f"{path} line {number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{where}: longer than {MAX_LINE_BYTES >> 20} MiB, too long for a prompt. Fix: "
+                                 f"check the path points at a JSONL file (one JSON object per line)")
             if raw.strip():
-                where = f"{path} line {number}"
                 texts.append(_text(_parse_line(raw, where, column), column, where))
     return texts
 
@@ -130,3 +138,41 @@ class PromptStream:
 
 def encode_prompts(tokenizer, texts: Iterable[str]) -> list[list[int]]:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+class PromptLengthError(ValueError):
+    """Prompts that do not fit the model's context with the response after them."""
+
+
+def fit_to_context(token_ids: list[list[int]], context: int | None, max_new_tokens: int, long_prompts: str,
+                   source: Any = "prompts") -> list[list[int]]:
+    """The prompts, each short enough that `max_new_tokens` fit after it in `context`.
+
+    A longer prompt would train silently on positions the model never learnt (or fail
+    inside the rollout engine). `long_prompts` (train.long_prompts) says what happens to
+    them: "refuse" (an error with their count and the longest), "truncate" (keep each one's
+    last tokens: the end of a prompt is where the question and the answer cue are) or "drop".
+    """
+    if context is None:
+        return token_ids
+    name = str(source) if isinstance(source, (str, os.PathLike)) else "prompts"
+    budget = context - max_new_tokens
+    if budget < 1:
+        raise PromptLengthError(f"train.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+                                f"context of {context} tokens. Fix: use max_new_tokens below {context}.")
+    long = [i for i, ids in enumerate(token_ids) if len(ids) > budget]
+    if not long:
+        return token_ids
+    longest = max(long, key=lambda i: len(token_ids[i]))
+    what = (f"{len(long)} of {len(token_ids)} prompts are longer than {budget} tokens (the model's context of "
+            f"{context} minus train.max_new_tokens {max_new_tokens}); the longest, prompt {longest}, has "
+            f"{len(token_ids[longest])}")
+    kept = [ids for ids in token_ids if len(ids) <= budget]
+    if long_prompts == "refuse" or long_prompts == "drop" and not kept:
+        raise PromptLengthError(f"{name}: {what}. Fix: shorten them, lower train.max_new_tokens, or set "
+                                f"train.long_prompts: truncate (keep each one's last {budget} tokens)"
+                                + ("" if long_prompts == "drop" else " or drop (leave them out)") + ".")
+    logger.warning("dask-rl: %s: %s; %s (train.long_prompts: %s)", name, what,
+                   f"kept their last {budget} tokens" if long_prompts == "truncate" else "left them out",
+                   long_prompts)
+    return [ids[-budget:] for ids in token_ids] if long_prompts == "truncate" else kept

@@ -38,6 +38,12 @@ class StepRecord:
     losses: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     reward_std: float = 0.0           # spread of the batch's rewards (population std)
+    # Work the workers made smaller to fit GPU memory during the step, one line each
+    # ("role: what: before -> after unit (cause: detail)"), and how many of them an
+    # out-of-memory error forced (the others were planned smaller from a memory reading).
+    degradations: list[str] = field(default_factory=list)
+    oom_backoffs: int = 0
+    dropped_samples: int = 0          # samples left out as bad (train.reward_errors: skip)
 
     @property
     def tokens_per_second(self) -> float:
@@ -49,8 +55,9 @@ class StepRecord:
 
     def summary(self) -> dict[str, str]:
         """The progress bar's postfix."""
-        return {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
-                "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
+        shown = {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
+                 "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
+        return {**shown, "dropped": str(self.dropped_samples)} if self.dropped_samples else shown
 
 
 def sum_stats(items) -> dict[str, float]:

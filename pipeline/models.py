@@ -75,6 +75,15 @@ def load_tokenizer(path: str | os.PathLike):
     return tokenizer
 
 
+def context_length(path: str | os.PathLike) -> int | None:
+    """How many tokens (prompt + response) the model at `path` takes: its config's
+    max_position_embeddings, or None when the config names no limit."""
+    from transformers import AutoConfig
+
+    value = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def load_causal_lm(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 

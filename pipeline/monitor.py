@@ -20,6 +20,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from pipeline import events
+from resources.allocator import DEGRADATION_TOPIC, OUT_OF_MEMORY, Degradation
 from resources.config import ROLES
 
 logger = logging.getLogger("dask_rl")
@@ -67,6 +68,8 @@ class RLMonitor(SchedulerPlugin):
                 self._on_step(msg)
             elif topic == events.EVENTS:
                 self._add_event(msg)
+            elif topic == DEGRADATION_TOPIC:  # a worker made its work smaller to fit memory
+                self._on_degradation(msg)
             elif topic == events.WORKERS:
                 self.devices[str(msg.get("address"))] = msg
             elif topic == "all" and msg.get("action") == "remove-worker" and not msg.get("expected"):
@@ -116,6 +119,11 @@ class RLMonitor(SchedulerPlugin):
             event["worker"] = str(worker.name)
         self.events.append(event)
         self.event_counts[str(event.get("kind", "event"))] += 1
+
+    def _on_degradation(self, msg: dict) -> None:
+        line = Degradation(**{k: msg.get(k) for k in Degradation.__dataclass_fields__}).line()
+        self._add_event({"kind": "oom-backoff" if msg.get("cause") == OUT_OF_MEMORY else "degradation",
+                         "role": msg.get("role", ""), "worker": msg.get("worker"), "reason": line})
 
     def _on_worker_lost(self, msg: dict) -> None:
         address = str(msg.get("worker"))

@@ -51,6 +51,49 @@ class Rollout:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def token_ids(self, row: int) -> tuple[list[int], list[int]]:
+        """Row `row`'s prompt and response token ids, padding left out."""
+        prompt = self.input_ids[row, :self.prompt_length][self.attention_mask[row, :self.prompt_length].bool()]
+        return prompt.tolist(), self.responses[row][self.response_mask[row].bool()].tolist()
+
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """The rows `rows` (a 1-D index tensor) of every per-sample field."""
+        return replace(self, **_rows_of(self, rows))
+
+
+SHOWN_TEXT = 200  # characters of a prompt or response that a message about a sample shows
+
+
+@dataclass(frozen=True)
+class SampleProblem:
+    """Why one sample cannot be trained on: what a role found wrong with it."""
+
+    row: int                         # the sample's row in its record
+    role: str                        # the role that found it: "reward", "reference", "critic", "advantages"
+    error: str                       # the original exception ("ZeroDivisionError: ...") or the bad value
+    prompt: str = ""                 # the decoded texts, cut short (empty where the role has none)
+    response: str = ""
+
+
+@dataclass
+class Scores:
+    """One reward shard's output: a score per row, NaN on the rows listed in `problems`."""
+
+    values: torch.Tensor             # (B,) float32
+    problems: list[SampleProblem]
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+
+def join_scores(shards: list[Scores]) -> Scores:
+    """The shards' scores in shard order (the order join_shards puts the rows in)."""
+    problems, offset = [], 0
+    for shard in shards:
+        problems += [replace(p, row=p.row + offset) for p in shard.problems]
+        offset += len(shard)
+    return Scores(torch.cat([s.values for s in shards]), problems)
+
 
 @dataclass
 class Experience:
@@ -71,8 +114,12 @@ class Experience:
 
     def select(self, rows: torch.Tensor) -> Experience:
         """The rows `rows` (a 1-D index tensor or a slice) of every per-sample field."""
-        picked = {f.name: getattr(self, f.name)[rows] for f in fields(self) if f.name != "prompt_length"}
-        return replace(self, **picked)
+        return replace(self, **_rows_of(self, rows))
+
+
+def _rows_of(record, rows) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(record, f.name)[rows] for f in fields(record)
+            if isinstance(getattr(record, f.name), torch.Tensor)}
 
 
 def join_shards(rollouts: list[Rollout], **per_token: list[torch.Tensor]) -> tuple[Rollout, dict[str, torch.Tensor]]:

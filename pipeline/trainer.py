@@ -17,17 +17,18 @@ from tqdm.auto import tqdm
 
 from pipeline import events, monitor, weights
 from pipeline.config import make_train_config
-from pipeline.data import PromptStream, encode_prompts, read_prompts
+from pipeline.data import PromptStream, encode_prompts, fit_to_context, read_prompts
 from pipeline.engines import vllm as vllm_engine
-from pipeline.experience import build_experience
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
 from pipeline.metrics import PhaseTimer, StepRecord, normalise_update_stats, sum_stats
-from pipeline.models import load_tokenizer, materialize
+from pipeline.models import context_length, load_tokenizer, materialize
 from pipeline.recipes import role_recipes
 from pipeline.inflight import InFlight
-from pipeline.records import join_shards, rank_shards
+from pipeline.records import join_scores, join_shards, rank_shards
 from pipeline.roles import actor, critic
+from pipeline.screening import SampleScreen, checked_experience, screen_samples
 from resources.adaptive import RoleAdaptive
+from resources.allocator import OUT_OF_MEMORY
 from resources.cluster import RoleCluster
 from resources.config import ResourceConfig
 
@@ -73,7 +74,9 @@ class HybridTrainer:
         self.actor_dir = materialize(actor_model, self.output_dir / "actor-init", tokenizer)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_dir)
         texts = read_prompts(prompts, tc.prompt_column)
-        self.prompts = PromptStream(encode_prompts(self.tokenizer, texts), seed=tc.seed)
+        token_ids = fit_to_context(encode_prompts(self.tokenizer, texts), context_length(self.actor_dir),
+                                   tc.max_new_tokens, tc.long_prompts, source=prompts)
+        self.prompts = PromptStream(token_ids, seed=tc.seed)
         self.show_progress = show_progress
         self.history: list[StepRecord] = []
         # No critic for GRPO; no reference model when the KL weight is 0 (it would only hold
@@ -148,17 +151,20 @@ class HybridTrainer:
         # 2. Rewards, reference log-probs and critic values were computed on the rollout
         #    workers' outputs as soon as each shard finished; the shards join, padded once.
         with timer("wait_scores"):
-            scores = torch.cat(self.fleet.wait("reward", batch.scores, "rewards"))
+            scores = join_scores(self.fleet.wait("reward", batch.scores, "rewards"))
             rollout_data, per_token = join_shards(
                 rollouts, ref_logprobs=self.fleet.wait("reference", batch.ref_logprobs, "reference logprobs"),
                 values=self.fleet.wait("critic", batch.values, "critic values"))
+            # Samples with a non-finite reward, logprob or value: dropped or refused (train.reward_errors).
+            screen = self._screen()
+            rollout_data, scores, per_token, dropped = screen_samples(rollout_data, scores, per_token, screen)
         # 3. Advantages on the driver: small CPU tensors, pure math. Without a reference
         #    model (kl_coef 0) the behaviour logprobs stand in: the KL is exactly 0.
         with timer("advantages"):
-            experience, stats = build_experience(
+            experience, stats = checked_experience(
                 rollout_data, scores, per_token.get("ref_logprobs", rollout_data.behavior_logprobs),
-                per_token.get("values"), algorithm=tc.algorithm, kl_coef=tc.kl_coef, gamma=tc.gamma, lam=tc.lam,
-                group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages)
+                per_token.get("values"), screen, algorithm=tc.algorithm, kl_coef=tc.kl_coef, gamma=tc.gamma,
+                lam=tc.lam, group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages)
         # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
         with timer("update"):
             losses = self._update(experience)
@@ -166,12 +172,21 @@ class HybridTrainer:
                             kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
-                            reward_std=stats["reward_std"])
+                            reward_std=stats["reward_std"], dropped_samples=dropped + stats["dropped_samples"])
+        # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).
+        degraded = self.fleet.degradations()
+        record.degradations = [d.line() for d in degraded]
+        record.oom_backoffs = sum(d.cause == OUT_OF_MEMORY for d in degraded)
         self.history.append(record)
         # The RL page's and /metrics' figures: one small message per step.
         events.publish_step(self.fleet.client, self.run_id, record.as_dict(),
                             events.decode_samples(self.tokenizer, rollout_data, scores))
         return record
+
+    def _screen(self) -> SampleScreen:
+        """This step's rules for bad samples; every rank of the update needs a row of each mini-batch."""
+        tc, ranks = self.train_config, max(len(self.fleet.addresses(r)) for r in self.roles if r in ("actor", "critic"))
+        return SampleScreen(tc.reward_errors, tc.algorithm == "grpo", tc.mini_batches * ranks, self.tokenizer.decode)
 
     def _update(self, experience) -> dict[str, float]:
         """The update, redone once if a rank's worker died during it. Each role applies an
@@ -187,6 +202,8 @@ class HybridTrainer:
                 if attempt == 2 or not lost:
                     raise
                 logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
+                for role in lost:
+                    self.fleet.free_survivors(role)
 
     def _lost_trainable_roles(self) -> list[str]:
         return [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]

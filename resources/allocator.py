@@ -1,16 +1,39 @@
-"""Micro-batch sizing from free device memory, and halving on out-of-memory.
+"""Sizing work to the memory a GPU has left, and surviving out-of-memory errors.
 
-Before an optimizer step the trainable roles ask how many rows fit: the configured
-micro-batch size, lowered when free GPU memory divided by the measured bytes per token says
-fewer fit. If a forward/backward still runs out of memory, the role halves the micro-batch
-and redoes the same optimizer step from zero gradients; gradients are sums over global
-token counts, so the result is the same whatever the split. Pure logic here; the caller
-reads the device (torch.cuda.mem_get_info on its own GPU).
+Three pieces, used by every role that runs a model on a worker:
+
+- `MicroBatchAllocator`: rows per micro-batch from the memory this process can still
+  allocate (`free_bytes`) and the measured peak bytes per token; `backoff` halves after an
+  out-of-memory error. Gradients are sums over global token counts, so an optimizer step
+  redone with smaller micro-batches gives the same update.
+- `in_chunks`: a function over consecutive row slices that, on torch.OutOfMemoryError,
+  halves the slice and retries it, keeping the slices already done (no-grad forwards,
+  generation: rows are independent, so the result does not depend on the split).
+- `report`: every degradation is one warning line (role, what, sizes, reason) and, on a
+  Dask worker, an event under DEGRADATION_TOPIC that the driver counts into the step's
+  record.
+
+torch and distributed are imported inside the functions: the resource planning that
+imports this package must not load them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, TypeVar
+
+from resources.config import ROLES
+
+logger = logging.getLogger("dask_rl")
+
+# The Dask event topic workers log degradations under (Client.get_events reads them).
+DEGRADATION_TOPIC = "dask-rl-degradation"
+OUT_OF_MEMORY = "out of memory"    # the `cause` of a degradation forced by an allocation failure
+LOW_FREE_MEMORY = "free memory"    # the `cause` of work planned smaller from a memory reading
+
+T = TypeVar("T")
 
 
 class OutOfMemoryAtOneRow(RuntimeError):
@@ -37,6 +60,13 @@ class MicroBatchAllocator:
         if tokens > 0 and peak_bytes > 0:
             self.bytes_per_token = max(self.bytes_per_token or 0.0, peak_bytes / tokens)
 
+    def observe_out_of_memory(self, free_bytes: int | None, tokens: int) -> None:
+        """A micro-batch of `tokens` tokens did not fit in `free_bytes`: it needs more than
+        free_bytes / tokens a token. Remembering that keeps the next plan below the size
+        that failed (rows() <= headroom x the failed size) until more memory is free."""
+        if free_bytes and tokens > 0:
+            self.observe(free_bytes, tokens)
+
     @staticmethod
     def backoff(rows: int) -> int:
         """The next size after an out-of-memory error at `rows`."""
@@ -45,3 +75,156 @@ class MicroBatchAllocator:
                                       "state and one sequence do not fit this device; shorten max_new_tokens "
                                       "or prompts, use fsdp over more GPUs, or a smaller model")
         return rows // 2
+
+
+def free_bytes(device: Any) -> int | None:
+    """Bytes this process can still allocate on `device`; None off CUDA (no reading).
+
+    The GPU's free memory (other processes' use already taken out) plus what torch's
+    caching allocator holds without using it, within this process's cap
+    (torch.cuda.set_per_process_memory_fraction): under a cap the device may be nearly
+    empty and still refuse the next allocation.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    available = free + torch.cuda.memory_reserved(device) - allocated
+    cap = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    if cap is not None:
+        available = min(available, int(cap(device) * total) - allocated)
+    return max(0, available)
+
+
+def release_cached(device: Any = None) -> None:
+    """Hand the blocks torch cached but no longer uses back to the GPU (after an
+    out-of-memory error: the next, smaller attempt and co-located roles need them)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and (
+            device is None or torch.device(device).type == "cuda"):
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Degradation:
+    """Work made smaller so that it fits: what, on which role, from what size to what, why."""
+
+    role: str
+    what: str        # e.g. "reference logprobs", "optimizer step"
+    before: int
+    after: int
+    unit: str        # "rows per chunk", "rows per micro-batch", "sequences per batch"
+    cause: str       # OUT_OF_MEMORY or LOW_FREE_MEMORY
+    detail: str      # the error's first line, or the memory reading
+
+    def line(self) -> str:
+        return f"{self.role}: {self.what}: {self.before} -> {self.after} {self.unit} ({self.cause}: {self.detail})"
+
+
+# This process's latest degradations, oldest first (bounded: a worker lives for a whole run).
+_REPORTED: deque[Degradation] = deque(maxlen=1000)
+
+
+def reported() -> list[Degradation]:
+    """The degradations this process reported (a worker's own view; the driver reads events)."""
+    return list(_REPORTED)
+
+
+def report(what: str, before: int, after: int, unit: str, cause: str, detail: str) -> Degradation:
+    """Log one degradation as one line and, on a Dask worker, publish it as an event."""
+    worker = _current_worker()
+    role = _role_of(worker)
+    degradation = Degradation(role, what, before, after, unit, cause, " ".join(str(detail).split())[:200])
+    _REPORTED.append(degradation)
+    logger.warning("dask-rl: degraded %s", degradation.line())
+    if worker is not None:
+        worker.log_event(DEGRADATION_TOPIC, {**asdict(degradation), "worker": str(worker.name)})
+    return degradation
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _current_worker():
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except (ImportError, ValueError):  # not inside a Dask task
+        return None
+
+
+def _role_of(worker) -> str:
+    if worker is None:
+        return "local"
+    resources = worker.state.total_resources
+    return next((name for name in resources if name in ROLES), str(worker.name))
+
+
+def in_chunks(fn: Callable[[slice], T], num_rows: int, rows: int, *, what: str, device: Any = None,
+              unit: str = "rows per chunk", on_shrink: Callable[[int], None] | None = None) -> tuple[list[T], int]:
+    """`fn` over consecutive row slices of at most `rows` rows, in order.
+
+    An out-of-memory error halves the slice size until it is below the slice that failed
+    (a power of two stays one) and retries that slice; the slices already done are kept,
+    so `fn` must treat rows independently (no-grad forwards, generation). `on_shrink(size)`
+    runs before the retry (an engine drops buffers sized for the old size there). Returns
+    the outputs and the size the last slice ran with. One row that does not fit raises
+    OutOfMemoryAtOneRow.
+    """
+    import torch
+
+    outputs: list[T] = []
+    start, rows = 0, max(1, rows)
+    while start < num_rows:
+        part = slice(start, min(start + rows, num_rows))
+        failure = None
+        try:
+            outputs.append(fn(part))
+        except torch.OutOfMemoryError as error:
+            failure = first_line(error)
+        # Outside the except block: its traceback held the failed attempt's tensors.
+        if failure is None:
+            start = part.stop
+            continue
+        smaller = rows
+        while smaller >= part.stop - part.start:
+            smaller = MicroBatchAllocator.backoff(smaller)
+        if on_shrink is not None:
+            on_shrink(smaller)
+        release_cached(device)
+        report(what, rows, smaller, unit, OUT_OF_MEMORY, failure)
+        rows = smaller
+    return outputs, rows
+
+def group_min(value: int, device: Any = "cpu") -> int:
+    """The smallest `value` over the ranks of the default process group, through one
+    all_reduce; `value` itself where no group of several ranks is running. Every rank
+    must call it (a collective)."""
+    return _all_reduce(value, "MIN", device)
+
+
+def group_any(flag: bool, device: Any = "cpu") -> bool:
+    """Whether `flag` is true on any rank (one all_reduce; every rank must call it)."""
+    return bool(_all_reduce(int(flag), "MAX", device))
+
+
+def _all_reduce(value: int, op: str, device: Any) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
+    where = device if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=where)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+    return int(tensor.item())

@@ -270,6 +270,23 @@ class RoleCluster:
                                    f"(timeout_seconds); they were not retired")
             time.sleep(0.1)
 
+    def unblock(self, addresses: list[str], grace: float, timeout: float) -> list[str]:
+        """Workers still running a task `grace` seconds from now are restarted by their
+        Nanny (the process ends; the Nanny starts a fresh one, which loads its role anew):
+        a rank blocked in a collective with a dead peer holds its thread until the group's
+        timeout, and nothing else unblocks it. Returns the addresses restarted."""
+        deadline = time.monotonic() + grace
+        busy = [a for a, n in self.client.run(_executing_count, workers=addresses, on_error="ignore").items()
+                if n]
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.2)
+            busy = [a for a, n in self.client.run(_executing_count, workers=busy, on_error="ignore").items()
+                    if n]
+        busy = [a for a in busy if a in live_workers(self.client)]
+        if busy:
+            self.client.restart_workers(busy, timeout=timeout)
+        return busy
+
     def retire(self, addresses: list[str]) -> None:
         """Retire drained workers (Dask moves any results they hold) and forget their specs.
 

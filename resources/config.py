@@ -34,7 +34,7 @@ COMM_BACKENDS = ("nccl", "gloo", "auto")
 ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args")
 # `train` belongs to the pipeline package, which reads it from the same file.
 TOP_KEYS = ROLES + ("comm_backend", "timeout_seconds", "allow_shared_devices",
-                    "allow_busy_devices", "adaptive", "train")
+                    "allow_busy_devices", "busy_memory_fraction", "adaptive", "train")
 _TRAINED_ROLES = ("actor", "critic")  # the roles that form a torch.distributed group
 # How much of a user's value an error message echoes: a 1 MiB string or a whole file
 # pasted as a key must not flood the terminal or a log line.
@@ -122,6 +122,9 @@ class ResourceConfig:
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     allow_shared_devices: bool = False
     allow_busy_devices: bool = False
+    # A declared GPU on which other processes use more than this share of the memory is
+    # refused at start (naming them) unless allow_busy_devices (devices.busy_gpus).
+    busy_memory_fraction: float = 0.05
     adaptive: Mapping[str, AdaptiveBounds] = field(default_factory=FrozenMap)
     source: str = field(default="<dict>", compare=False)  # names the file on re-validation
 
@@ -153,7 +156,8 @@ class ResourceConfig:
             role: role_dict(spec) for role, spec in self.roles.items() if not spec.placed_with}
         data.update(comm_backend=self.comm_backend, timeout_seconds=self.timeout_seconds,
                     allow_shared_devices=self.allow_shared_devices,
-                    allow_busy_devices=self.allow_busy_devices)
+                    allow_busy_devices=self.allow_busy_devices,
+                    busy_memory_fraction=self.busy_memory_fraction)
         if self.adaptive:
             data["adaptive"] = {role: {"min": b.minimum, "max": b.maximum}
                                 for role, b in self.adaptive.items()}

@@ -17,6 +17,7 @@ from typing import Iterable
 
 __all__ = [
     "GpuInfo",
+    "GpuProcess",
     "busy_gpus",
     "free_memory_bytes",
     "get_gpu_usage",
@@ -24,6 +25,19 @@ __all__ = [
     "nvml_status",
     "pin_to_device",
 ]
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A compute process NVML lists on a GPU."""
+
+    pid: int
+    name: str            # the executable's name, "?" where neither NVML nor /proc can tell
+    used_bytes: int | None  # its GPU memory; None where NVML does not report it (some containers)
+
+    def describe(self) -> str:
+        memory = "memory not reported" if self.used_bytes is None else f"uses {self.used_bytes / 2**30:.1f} GiB"
+        return f"pid {self.pid} ({self.name}) {memory}"
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,7 @@ class GpuInfo:
     used_bytes: int
     utilization_pct: int | None  # None where NVML does not report it (some SoCs, MIG)
     process_count: int  # compute processes on the GPU; 0 if NVML cannot list them
+    processes: tuple[GpuProcess, ...] = ()  # those of them NVML could describe
 
     @property
     def used_fraction(self) -> float:
@@ -115,11 +130,33 @@ def _utilization(nvml, handle) -> int | None:
         return None
 
 
-def _process_count(nvml, handle) -> int:
+def _processes(nvml, handle) -> tuple[int, tuple[GpuProcess, ...]]:
+    """(how many compute processes run on the GPU, those NVML describes); (0, ()) if it cannot list them."""
     try:
-        return len(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        running = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
     except Exception:
-        return 0
+        return 0, ()
+    described = tuple(GpuProcess(int(p.pid), _process_name(nvml, int(p.pid)), _process_memory(p))
+                      for p in running if isinstance(getattr(p, "pid", None), int))
+    return len(running), described
+
+
+def _process_memory(process) -> int | None:
+    used = getattr(process, "usedGpuMemory", None)
+    # NVML's "not available" is the largest unsigned 64-bit value; pynvml passes it on or maps it to None.
+    return None if used is None or used >= 1 << 63 else int(used)
+
+
+def _process_name(nvml, pid: int) -> str:
+    try:
+        return _text(nvml.nvmlSystemGetProcessName(pid)).rsplit("/", 1)[-1] or "?"
+    except Exception:  # another container's process, or an old driver
+        pass
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip() or "?"
+    except OSError:
+        return "?"
 
 
 def _probe(nvml, index: int) -> GpuInfo | None:
@@ -130,6 +167,7 @@ def _probe(nvml, index: int) -> GpuInfo | None:
     except Exception:
         return None
     total, free, used = _memory(nvml, handle)
+    count, processes = _processes(nvml, handle)
     return GpuInfo(
         index=index,
         name=name,
@@ -137,7 +175,8 @@ def _probe(nvml, index: int) -> GpuInfo | None:
         free_bytes=free,
         used_bytes=used,
         utilization_pct=_utilization(nvml, handle),
-        process_count=_process_count(nvml, handle),
+        process_count=count,
+        processes=processes,
     )
 
 
@@ -165,19 +204,29 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}es"
 
 
-def busy_gpus(infos: Iterable[GpuInfo], min_used_fraction: float = 0.05) -> dict[int, str]:
-    """GPUs someone else is already using: index -> why we think so.
+# A GPU counts as busy above this share of its memory in use (the resource file's
+# busy_memory_fraction). 5% leaves room for the driver's own few hundred MiB on an idle card.
+BUSY_MEMORY_FRACTION = 0.05
 
-    A GPU counts as busy when it runs compute processes or has more than
-    `min_used_fraction` of its memory in use. The memory test catches processes NVML
-    cannot list (other containers, MPS); the 5% default leaves room for the driver's own
-    few hundred MiB on an idle card.
+
+def busy_gpus(infos: Iterable[GpuInfo], min_used_fraction: float = BUSY_MEMORY_FRACTION) -> dict[int, str]:
+    """GPUs someone else is already using: index -> why we think so, naming the processes.
+
+    A GPU is busy when a process on it holds more than `min_used_fraction` of its memory
+    (or does not say how much), when NVML counts processes it cannot describe, or when more
+    than `min_used_fraction` of its memory is in use (that catches processes NVML cannot
+    list at all: other containers, MPS). A process with less, e.g. a monitoring tool's CUDA
+    context, does not make a GPU busy by itself.
     """
     busy: dict[int, str] = {}
     for info in infos:
-        reasons = []
-        if info.process_count > 0:
-            reasons.append(f"{_plural(info.process_count, 'process')} running")
+        limit = min_used_fraction * info.total_bytes
+        heavy = [p for p in info.processes if p.used_bytes is None or p.used_bytes > limit]
+        reasons = [p.describe() for p in heavy]
+        unnamed = info.process_count - len(info.processes)
+        if unnamed > 0:
+            reasons.append(f"{_plural(unnamed, 'process')} running" if not info.processes
+                           else f"{unnamed} more not described")
         if info.used_fraction > min_used_fraction:
             reasons.append(f"{info.used_fraction:.0%} of memory used")
         if reasons:

@@ -95,6 +95,31 @@ def _is_positive_number(value: Any) -> bool:
         return False
 
 
+def _is_fraction(value: Any) -> bool:
+    """0 <= value < 1 (a share of GPU memory); YAML `true`, nan and huge ints are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and 0 <= value < 1
+    except OverflowError:
+        return False
+# vLLM engine arguments that are a fraction or a count: a bad value would otherwise fail only
+# once the engine starts on a worker, after every other role has loaded its model.
+_ENGINE_FRACTIONS = {"gpu_memory_utilization": "e.g. 0.85"}
+_ENGINE_COUNTS = {"max_model_len": "e.g. 4096", "max_num_seqs": "e.g. 256", "max_num_batched_tokens": "e.g. 8192"}
+
+
+def _bad_engine_number(key: str, value: Any) -> tuple[str, str] | None:
+    """(problem, fix) for a vllm_args value out of its range, else None."""
+    if key in _ENGINE_FRACTIONS and not (_is_positive_number(value) and value <= 1):
+        return "expected a fraction of the GPU's memory in (0, 1]", f"use {_ENGINE_FRACTIONS[key]}"
+    if key in _ENGINE_COUNTS and not (_is_int(value) and value >= 1):
+        return "expected an integer >= 1", f"use {_ENGINE_COUNTS[key]}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "not a finite number", "use a finite number, or remove the key to take vLLM's default"
+    return None
+
+
 def _example_ids(ids: Sequence[int]) -> list[int]:
     """The list the user probably meant: their ids once each, padded with the next ones."""
     once = list(dict.fromkeys(ids))
@@ -143,6 +168,10 @@ class _Parser:
                                               "use e.g. timeout_seconds: 180")),
             allow_shared_devices=self.flag(data, "allow_shared_devices"),
             allow_busy_devices=self.flag(data, "allow_busy_devices"),
+            busy_memory_fraction=float(self.scalar(
+                data, "busy_memory_fraction", devices.BUSY_MEMORY_FRACTION, _is_fraction,
+                "expected a share of GPU memory from 0 to 1 (0.05 = 5%)",
+                "use e.g. busy_memory_fraction: 0.05, or allow_busy_devices: true to share busy GPUs")),
             adaptive=FrozenMap(self.adaptive(data.get("adaptive"), data)),
             source=self.source)
         self.check_backend(config)
@@ -269,6 +298,9 @@ class _Parser:
                                  "use a field of vllm.engine.arg_utils.EngineArgs (vllm "
                                  f"{vllm_keys.VLLM_VERSION}: resources/vllm_keys.py lists them), e.g. "
                                  "max_model_len, gpu_memory_utilization, enforce_eager")
+            problem = _bad_engine_number(key, args[key])
+            if problem:
+                raise self.error(f"{path}.{key}", args[key], *problem)
         # Each rollout worker owns exactly one GPU, so a tensor-parallel engine cannot start.
         if args.get("tensor_parallel_size", 1) != 1:
             raise self.error(f"{path}.tensor_parallel_size", args["tensor_parallel_size"],
@@ -330,7 +362,7 @@ class _Parser:
                              f"NVIDIA GPU ({reason if not ok else 'NVML reports 0 GPUs'})",
                              f"use device_type: cpu with workers: {cuda[0].workers}")
         have = sorted(g.index for g in gpus)
-        busy = {} if config.allow_busy_devices else devices.busy_gpus(gpus)
+        busy = {} if config.allow_busy_devices else devices.busy_gpus(gpus, config.busy_memory_fraction)
         for spec in cuda:
             path = f"{spec.role}.device_ids"
             for i in spec.device_ids:

@@ -23,11 +23,47 @@ from resources.config import ROLES
 from resources.devices import busy_gpus, get_gpu_usage, gpu_count, nvml_status, pin_to_device
 from resources.plan import WorkerSpec
 
-__all__ = ["WorkerStartError", "role_worker_specs", "start_role_worker", "validate_device_ids"]
+__all__ = ["SchedulerUnreachable", "WorkerStartError", "check_scheduler", "role_worker_specs", "start_role_worker",
+           "validate_device_ids"]
+
+# Seconds to open a TCP connection to a scheduler: a refused one fails at once, a host that
+# does not answer within this is reported as unreachable instead of retried for half a minute.
+CONNECT_SECONDS = 5.0
 
 
 class WorkerStartError(ValueError):
     """A worker request that cannot start; the message names the value and the fix."""
+
+
+class SchedulerUnreachable(ConnectionError):
+    """Nothing answers at a scheduler address; the message names it and the fix."""
+
+
+def check_scheduler(address: str, timeout: float = CONNECT_SECONDS) -> None:
+    """Raise SchedulerUnreachable unless something accepts TCP connections at `address`.
+
+    Dask's own connect retries until its timeout (30 s by default) whatever the cause; a
+    plain socket tells "connection refused" apart at once. Non-TCP addresses (ucx://,
+    inproc://) are left to Dask.
+    """
+    from distributed.comm import get_address_host_port, parse_address
+
+    fix = ("Fix: start one with `dask-rl scheduler` (or use the address the trainer printed) and check the host "
+           "and port")
+    try:
+        scheme, _ = parse_address(address)
+        host, port = get_address_host_port(address)
+    except ValueError as error:
+        raise SchedulerUnreachable(f"{address!r} is not a scheduler address ({error}). Fix: write it as "
+                                   f"tcp://HOST:PORT, e.g. tcp://127.0.0.1:8786") from None
+    if scheme not in ("tcp", "tls"):
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as error:
+        reason = (f"no answer within {timeout:.0f}s" if isinstance(error, TimeoutError)
+                  else (error.strerror or type(error).__name__).lower())
+        raise SchedulerUnreachable(f"no Dask scheduler at {address} ({reason}). {fix}") from None
 
 
 def validate_role(role: str) -> None:
@@ -156,5 +192,6 @@ def start_role_worker(scheduler_address: str, role: str, device_ids: list[int] |
     specs = role_worker_specs(role, device_ids, workers=workers, name=name, hostname=hostname, nthreads=nthreads)
     if device_ids:
         validate_device_ids(device_ids, allow_busy)
+    check_scheduler(scheduler_address)  # after the local checks: a wrong role is named whatever the network
     configure_dask()  # the Nannies hand this config to their workers
     asyncio.run(_serve(scheduler_address, specs, name, workers, role, hostname, timeout, host, security))

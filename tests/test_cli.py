@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,98 @@ def test_strategy_vllm_without_vllm_exits_2_with_the_install_hint_before_anythin
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "rollout.strategy: vllm, but vllm is not installed" in lines[0] and "scripts/vllm_venv.sh" in lines[0]
     assert not (tmp_path / "out").exists()  # failed before anything started
+
+
+def _free_address() -> str:
+    """A local TCP address nothing listens at (the OS just handed the port out and took it back)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def _one_line_error(result: subprocess.CompletedProcess, progress: str = "") -> str:
+    """The one line of an error; lines starting with `progress` (a progress bar) are not part of it."""
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not (progress and line.startswith(progress))]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "Fix:" in lines[0]
+    return lines[0]
+
+
+CONNECTING = {
+    "scale": ["scale", "{address}", "--role", "rollout", "--workers", "2"],
+    "worker": ["worker", "{address}", "--role", "reward"],
+    "run --scheduler-address": ["run", str(QUICKSTART), "--scheduler-address", "{address}"],
+}
+
+
+@pytest.mark.parametrize("args", CONNECTING.values(), ids=CONNECTING.keys())
+def test_a_command_pointed_at_no_scheduler_fails_at_once_in_one_line(args, measured):
+    address = _free_address()
+    start = time.perf_counter()
+    result = dask_rl(*(a.format(address=address) for a in args), timeout=120)
+    seconds = time.perf_counter() - start
+    line = _one_line_error(result)
+    assert line.startswith(f"dask-rl {args[0]}: no Dask scheduler at {address} (connection refused). "
+                           "Fix: start one with `dask-rl scheduler`")
+    # Python's start and imports included; Dask's own connect would retry for 30 s.
+    assert seconds < 15, seconds
+    measured(f"dask-rl {args[0]} to a closed port: refused in {seconds:.1f} s (process start included)")
+
+
+HOSTILE_RUN_FILES = {
+    "alias bomb": ("a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10)), "anchors and aliases expand to"),
+    "deep nesting": ("actor: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than 32 levels"),
+    "binary": (b"\x7fELF\x02\x01\x01" + bytes(range(128)) * 64, "character #x007f is not allowed in YAML"),
+    "not utf-8": (b"actor: {device_type: cpu}\nreward: caf\xe9\n", "line 2: not UTF-8 text"),
+    "2 MiB": ("# " + "x" * (2 << 20) + "\n", "larger than 1 MiB"),
+}
+
+
+@pytest.mark.parametrize("content, problem", HOSTILE_RUN_FILES.values(), ids=HOSTILE_RUN_FILES.keys())
+def test_a_hostile_run_file_is_one_line_exit_2(tmp_path, content, problem):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_bytes(content if isinstance(content, bytes) else content.encode())
+    line = _one_line_error(dask_rl("run", str(run_file), timeout=60))
+    assert line.startswith(f"dask-rl: {run_file}: ") and problem in line and len(line) < 400
+
+
+def test_a_usage_error_is_one_line_with_the_fix():
+    line = _one_line_error(dask_rl("run", "--steps", "many", "x.yaml", timeout=60))
+    assert line == "dask-rl run: argument --steps: invalid int value: 'many'. Fix: see `dask-rl run --help`."
+
+
+def test_debug_shows_the_traceback_as_well():
+    result = dask_rl("scale", "nonsense", "--role", "rollout", "--debug", timeout=60)
+    assert result.returncode == 2
+    assert "Traceback (most recent call last)" in result.stderr and "check_scheduler" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "dask-rl scale: 'nonsense' is not a scheduler address (missing port number in address 'nonsense'). "
+        "Fix: write it as tcp://HOST:PORT, e.g. tcp://127.0.0.1:8786")
+
+
+def test_a_prompt_too_long_for_the_model_exits_2_in_one_line_before_a_cluster_starts(tmp_path):
+    (tmp_path / "quickstart_prompts.jsonl").write_text('{"prompt": "hi"}\n' + json.dumps({"prompt": "9" * 300}) + "\n")
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(QUICKSTART.read_text())  # its prompts are the file beside it
+    result = dask_rl("run", str(run_file), "--output-dir", str(tmp_path / "out"), timeout=120)
+    line = _one_line_error(result, progress="Writing model shards")  # the tiny model is saved first
+    assert line.startswith("dask-rl run: prompts: 1 of 2 prompts are longer than 244 tokens (the model's context "
+                           "of 256 minus train.max_new_tokens 12); the longest, prompt 1, has 300")
+    assert "train.long_prompts: truncate" in line
+    assert "dashboard at" not in result.stdout  # refused before the cluster started
+
+
+def test_any_other_error_is_one_line_with_its_type_and_a_fix():
+    from pipeline.cli import one_line
+
+    assert one_line(RuntimeError("worker died\n  while loading")) == (
+        "RuntimeError: worker died while loading. Fix: rerun with --debug for the traceback, and check the "
+        "workers' logs on the dashboard")
+    assert one_line(ValueError("train.x: 1 is not allowed. Fix: use 2.")) == "train.x: 1 is not allowed. Fix: use 2."
+    assert one_line(KeyError("unknown role 'x'")).startswith("unknown role 'x'. Fix:")  # not "'unknown role...'"
+    assert len(one_line(RuntimeError("x" * 10_000))) == 1000
 
 
 @pytest.mark.slow

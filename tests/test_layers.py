@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ("pipeline.cli", "pipeline.trainer", "pipeline.inflight", "pipeline.recipes", "pipeline.fleet")
 # Pure modules the worker side builds on: they import neither the roles nor the driver.
 PURE = ("pipeline/algorithms.py", "pipeline/records.py", "pipeline/models.py", "pipeline/experience.py",
-        "pipeline/metrics.py", "pipeline/events.py", "pipeline/monitor.py", "pipeline/dashboard.py")
+        "pipeline/metrics.py", "pipeline/screening.py", "pipeline/events.py", "pipeline/monitor.py",
+        "pipeline/dashboard.py")
 
 
 def imported_modules(path: Path, root: Path = ROOT, runtime_only: bool = False) -> set[str]:

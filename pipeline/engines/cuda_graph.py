@@ -13,6 +13,8 @@ of a decode step launching kernels from Python. Here:
 - sequences stop at their EOS, and the loop exits once every sequence has ended;
 - prompt lengths are rounded up to a multiple of `prompt_bucket` and batches to a power of
   two, so a run compiles a bounded number of graphs (one per bucket pair seen);
+- the batch is sized from the GPU's free memory before every request, so memory another
+  process takes mid-run shrinks the next batch (and its KV cache) instead of failing it;
 - new policy weights are copied into the existing parameter tensors, so the captured
   graphs keep pointing at valid memory and serve the new version without a recompile.
 
@@ -27,8 +29,10 @@ import math
 
 import torch
 
+from pipeline.engines.budget import HEADROOM, fitting_rows, kv_bytes_per_token, power_of_two_below, sequence_bytes
 from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts
 from pipeline.records import GenerationRequest, Rollout
+from resources.allocator import LOW_FREE_MEMORY, free_bytes, in_chunks, release_cached, report
 
 logger = logging.getLogger("dask_rl")
 
@@ -78,7 +82,10 @@ class CudaGraphEngine:
 
     Args:
         model: a transformers causal LM already on its device (bf16 on GPUs).
-        max_batch_size: rows decoded together; a larger request runs in chunks.
+        max_batch_size: rows decoded together at most; a larger request runs in chunks.
+            Before every request the batch is lowered to what the GPU's free memory holds
+            (KV cache at full length plus sampling workspace), and an out-of-memory error
+            halves it; both are reported as degradations.
         prompt_bucket: prompts are left-padded to a multiple of this many tokens.
         top_k / top_p: sampling filters (0 / 1.0: sample from the full distribution).
         compile: capture decode steps as CUDA graphs (default: on CUDA devices).
@@ -93,6 +100,9 @@ class CudaGraphEngine:
         self.top_k, self.top_p = top_k, top_p
         self.compiled = torch.device(device).type == "cuda" if compile is None else compile
         self._caches: dict[tuple[int, int], object] = {}   # (batch, length) -> StaticCache
+        self._cache_bytes: dict[tuple[int, int], int] = {}  # what each holds once filled
+        self.batch = self.max_batch_size     # sequences decoded together in the current request
+        self._planned: int | None = None    # the last plan, so a change is reported once
         # transformers renamed forward's `past_key_values` to `cache` (5.2x); take either.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # Dynamo specialises on the Python floats/ints it sees (temperature, filters) and on
@@ -105,12 +115,17 @@ class CudaGraphEngine:
         prompts, groups = repeat_prompts(request)
         torch.manual_seed(request.seed)
         width = bucket_length(max(len(p) for p in prompts), self.prompt_bucket)
-        responses, logprobs = [], []
-        for start in range(0, len(prompts), self.max_batch_size):
-            ids, mask = left_pad(prompts[start:start + self.max_batch_size], self.pad_id, width=width)
-            tokens, lps = self._generate_chunk(ids, mask, request.max_new_tokens, request.temperature)
-            responses.append(tokens)
-            logprobs.append(lps)
+        # Batch from the memory free now, re-read for every request; an out-of-memory
+        # error still halves it and redoes the chunk that failed.
+        self.batch = self._plan(len(prompts), width, width + request.max_new_tokens)
+
+        def run(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            ids, mask = left_pad(prompts[rows], self.pad_id, width=width)
+            return self._generate_chunk(ids, mask, request.max_new_tokens, request.temperature)
+
+        parts, _ = in_chunks(run, len(prompts), self.batch, what="generation", device=self.device,
+                             unit="sequences per batch", on_shrink=self._shrink)
+        responses, logprobs = [tokens for tokens, _ in parts], [lps for _, lps in parts]
         width_r = max(r.shape[1] for r in responses)
         responses = torch.cat([torch.nn.functional.pad(r, (0, width_r - r.shape[1]), value=self.pad_id)
                                for r in responses])
@@ -118,11 +133,40 @@ class CudaGraphEngine:
         ids, mask = left_pad(prompts, self.pad_id, width=width)
         return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
 
+    def _plan(self, sequences: int, prompt_length: int, length: int) -> int:
+        """Sequences per batch: a power of two, at most max_batch_size, that fits the memory
+        free now with this engine's own KV caches counted as free (they make room)."""
+        dtype = next(self.model.parameters()).dtype
+        per_sequence = sequence_bytes(self.model.config, dtype, prompt_length, length)
+        free = free_bytes(self.device)
+        wanted = min(self.max_batch_size, bucket_batch(sequences))
+        if free is None:
+            return wanted
+        held = sum(self._cache_bytes.values())
+        batch = power_of_two_below(fitting_rows(free + held, per_sequence, wanted))
+        if batch < wanted and batch != self._planned:
+            report("generation", wanted, batch, "sequences per batch", LOW_FREE_MEMORY,
+                   f"{(free + held) / 2**30:.2f} GiB free for {per_sequence / 2**20:.1f} MiB a sequence "
+                   f"of {length} tokens")
+        elif batch != self._planned and self._planned is not None:
+            logger.info("dask-rl: cuda_graph engine: %d sequences per batch again (%.2f GiB free)", batch,
+                        (free + held) / 2**30)
+        self._planned = batch
+        return batch
+
+    def _shrink(self, batch: int) -> None:
+        """After an out-of-memory error: drop every KV cache (they were sized for larger
+        batches), decode `batch` sequences at a time from now on."""
+        self.batch = batch
+        self._caches.clear()
+        self._cache_bytes.clear()
+
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, P) left-padded prompts -> (B, T) responses (pad after EOS) and their logprobs."""
         rows, width = ids.shape
-        batch = bucket_batch(rows)
+        # The shape bucket, never above the planned batch (which is a power of two >= rows).
+        batch = min(bucket_batch(rows), self.batch)
         if batch > rows:  # filler rows repeat the first prompt; their samples are dropped
             ids = torch.cat([ids, ids[:1].expand(batch - rows, -1)])
             mask = torch.cat([mask, mask[:1].expand(batch - rows, -1)])
@@ -166,13 +210,22 @@ class CudaGraphEngine:
         return sample_tokens(logits, temperature, self.top_k, self.top_p)
 
     def _cache(self, batch: int, length: int):
-        """The StaticCache for this bucket pair; allocated on first use, then reused."""
+        """The StaticCache for this bucket pair; allocated on first use, then reused. When
+        the memory free now cannot hold a new one, the caches of other shapes go first."""
         from transformers import StaticCache
 
         key = (batch, length)
         if key not in self._caches:
+            need = kv_bytes_per_token(self.model.config, next(self.model.parameters()).dtype) * batch * length
+            free = free_bytes(self.device)
+            if free is not None and free < need / HEADROOM and self._caches:
+                logger.info("dask-rl: cuda_graph engine: dropping %d KV caches to make room", len(self._caches))
+                self._caches.clear()
+                self._cache_bytes.clear()
+                release_cached(self.device)
             logger.info("dask-rl: cuda_graph engine: new KV cache for batch %d x %d tokens", batch, length)
             self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+            self._cache_bytes[key] = need
         return self._caches[key]
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from pipeline.algorithms import logprobs_from_logits
-from pipeline.records import GenerationRequest, Rollout, row_chunks
+from pipeline.engines.budget import fitting_rows, sequence_bytes
+from pipeline.records import GenerationRequest, Rollout
+from resources.allocator import LOW_FREE_MEMORY, free_bytes, in_chunks, report
 
 
 def repeat_prompts(request: GenerationRequest) -> tuple[list[list[int]], list[int]]:
@@ -57,6 +59,9 @@ class HFEngine:
     costs B x R x V floats (20 GiB for 64 x 256 tokens of a 150k vocabulary). The sampled
     tokens' logprobs come from one forward pass over prompt + response afterwards, `rows`
     sequences at a time, the same computation as the actor's loss.
+
+    On a GPU the batch is sized from its free memory before every request, and an
+    out-of-memory error halves it (generation and scoring); both are reported.
     """
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, rows: int = 16):
@@ -71,15 +76,31 @@ class HFEngine:
         prompts, groups = repeat_prompts(request)
         ids, mask = left_pad(prompts, self.pad_id)
         torch.manual_seed(request.seed)
+        # All sequences at once when the GPU's free memory holds them (read for every
+        # request), else fewer per call; an out-of-memory error halves the batch again.
+        per_sequence = sequence_bytes(self.model.config, next(self.model.parameters()).dtype, ids.shape[1],
+                                      ids.shape[1] + request.max_new_tokens, cache_copies=2)
+        batch = fitting_rows(free_bytes(self.device), per_sequence, len(prompts))
+        if batch < len(prompts):
+            report("generation", len(prompts), batch, "sequences per batch", LOW_FREE_MEMORY,
+                   f"{per_sequence / 2**20:.1f} MiB a sequence of {ids.shape[1] + request.max_new_tokens} tokens")
+        parts, _ = in_chunks(lambda r: self._sample(ids[r], mask[r], request), len(prompts), batch,
+                             what="generation", device=self.device, unit="sequences per batch")
+        width = max(part.shape[1] for part in parts)
+        responses = torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1]), value=self.pad_id)
+                               for part in parts])
+        scored, _ = in_chunks(lambda r: self._logprobs(ids[r], mask[r], responses[r], request.temperature),
+                              len(prompts), self.rows, what="rollout logprobs", device=self.device)
+        return assemble_rollout(ids, mask, responses, torch.cat(scored), groups, self.eos_id, policy_version)
+
+    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, request: GenerationRequest) -> torch.Tensor:
+        """(B, P) left-padded prompts -> (B, T) sampled responses on the CPU (pad after EOS)."""
         sequences = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             do_sample=True, temperature=request.temperature, top_k=0, top_p=1.0,
             max_new_tokens=request.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
         )
-        responses = sequences[:, ids.shape[1]:].cpu()
-        logprobs = torch.cat([self._logprobs(ids[r], mask[r], responses[r], request.temperature)
-                              for r in row_chunks(len(prompts), self.rows)])
-        return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
+        return sequences[:, ids.shape[1]:].cpu()
 
     def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor,
                   temperature: float) -> torch.Tensor:

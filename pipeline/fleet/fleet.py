@@ -17,6 +17,7 @@ and every rank of the new group starts from it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import threading
@@ -37,6 +38,7 @@ from pipeline.roles.saved_state import Recovery, recovery_path
 from pipeline.roles.training import GroupInfo
 from resources.adaptive import Decision, RoleAdaptive
 from resources.cluster import RoleCluster
+from resources.allocator import DEGRADATION_TOPIC, Degradation
 from resources.config import ResourceConfig
 from resources.plan import plan_change, plan_workers
 
@@ -78,6 +80,8 @@ class Fleet:
         self._adaptive: RoleAdaptive | None = None
         self.adaptive_decisions: list[Decision] = []
         self._pinned: dict[str, tuple[str, ...]] = {}   # key -> the workers a pending task is pinned to
+        # Degradation events are read from here on: an earlier run's on a shared cluster are not ours.
+        self._degradations_read = max((stamp for stamp, _ in self.client.get_events(DEGRADATION_TOPIC)), default=0.0)
 
     @property
     def timeout(self) -> float:
@@ -139,6 +143,15 @@ class Fleet:
         members = self.groups.members(role)
         return members is not None and not set(members) <= set(self.addresses(role))
 
+    def free_survivors(self, role: str) -> None:
+        """After a rank was lost: the group's other ranks may sit in a collective waiting for
+        it; a rank still busy after a short grace is restarted (it rebuilds from the saved
+        state like the replacement does)."""
+        survivors = [a for a in self.groups.members(role) or () if a in self.addresses(role)]
+        restarted = self.cluster.unblock(survivors, grace=min(5.0, self.timeout), timeout=self.timeout)
+        if restarted:
+            logger.warning("dask-rl: %s ranks %s were stuck waiting for the lost one; restarted them", role, restarted)
+
     def await_replacements(self, role: str) -> None:
         """After a lost rank: wait (bounded by the timeout) until the role has as many workers
         as its placement says (a killed worker process is restarted by its Nanny and reloads
@@ -153,6 +166,16 @@ class Fleet:
                               f"losing one. Fix: add one with update_resource or `dask-rl worker ... --role {role}`.")
         if have < wanted:
             logger.warning("dask-rl: %s continues on %d of %d workers", role, have, wanted)
+    def degradations(self) -> list[Degradation]:
+        """What the workers made smaller to fit GPU memory since the last call (halved
+        micro-batches and chunks, smaller generation batches), oldest first. Read from the
+        scheduler's event log: a worker sends its event before its task's result, so a
+        step's own degradations are there once its results are."""
+        events = self.client.get_events(DEGRADATION_TOPIC)
+        new = [msg for stamp, msg in events if stamp > self._degradations_read]
+        self._degradations_read = max((stamp for stamp, _ in events), default=self._degradations_read)
+        names = {f.name for f in dataclasses.fields(Degradation)}
+        return [Degradation(**{key: msg[key] for key in names}) for msg in new]
 
     # -- weights ---------------------------------------------------------------------------
     def publish_transport(self) -> str:

@@ -64,13 +64,16 @@ class ActorRole:
             return self.trainer.last_result
         # The proximal policy is the one before this update (the "old" policy of PPO's
         # clip); the rollout's own logprobs (the behaviour policy) enter through the
-        # truncated importance weight, which corrects for staleness.
-        proximal = [self._logprobs(batch, step) for batch in mini_batches]
+        # truncated importance weight, which corrects for staleness. With one optimizer step
+        # the proximal policy is the model of the loss's own forward: its detached logprobs
+        # are the proximal ones (None below), and a whole forward pass is saved.
+        one_step = step.epochs * len(mini_batches) == 1
+        proximal = [None] * len(mini_batches) if one_step else [self._logprobs(b, step) for b in mini_batches]
         per_step = []
         for _ in range(step.epochs):
             for batch, prox, normalizer in zip(mini_batches, proximal, step.normalizers):
                 def split(size, batch=batch, prox=prox):
-                    return [(batch.select(r), prox[r]) for r in row_chunks(len(batch), size)]
+                    return [(batch.select(r), None if prox is None else prox[r]) for r in row_chunks(len(batch), size)]
 
                 loss = lambda model, c: self._loss(model, c, step, normalizer)  # noqa: E731
                 per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
@@ -86,13 +89,14 @@ class ActorRole:
 
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
         return in_row_chunks(response_logprobs, self.trainer.model.eval(), batch, step.micro_batch_size,
-                             self.device, step.temperature)
+                             self.device, step.temperature, what="proximal logprobs")
 
     def _loss(self, model, chunk, step: PolicyStep, normalizer: float):
         batch, proximal = chunk
         mask = batch.response_mask.to(self.device)
         logp = response_logprobs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
                                  batch.prompt_length, step.temperature)
+        proximal = logp.detach() if proximal is None else proximal
         is_weights = importance_weights(proximal, batch.behavior_logprobs.to(self.device), mask, step.is_cap)
         loss, stats = policy_loss(logp, proximal, batch.advantages.to(self.device), mask, step.clip_ratio,
                                   normalizer=normalizer, is_weights=is_weights)

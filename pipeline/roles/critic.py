@@ -40,7 +40,7 @@ class CriticRole:
     def values(self, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
         """(B, R) V(s_t) for each response token, 0 on padding."""
         return in_row_chunks(response_values, self.trainer.model.eval(), rollout, micro_batch_size,
-                             self.device).cpu() * rollout.response_mask
+                             self.device, what="critic values").cpu() * rollout.response_mask
 
     def close(self) -> None:
         self.trainer.close()

@@ -9,13 +9,16 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.algorithms import logprobs_from_logits
 from pipeline.models import position_ids
-from pipeline.records import row_chunks
+from resources.allocator import free_bytes, in_chunks
 
 
 # Response tokens projected onto the vocabulary at once. A (tokens, V) float32 block is what
 # the loss holds per chunk: 1024 x 152k (Qwen2's vocabulary) is 0.6 GB, where a whole
 # 16 x 256-token micro-batch at once would be 2.5 GB, plus as much again for its gradient.
 LOGIT_CHUNK_TOKENS = 1024
+
+# model -> (rows per chunk that fitted after an out-of-memory error, free bytes then).
+_FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Models whose logits are exactly lm_head(base_model(...)): checked once per model object.
 _SEPARABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -88,10 +91,26 @@ def response_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 
 @torch.no_grad()
-def in_row_chunks(forward, model, batch, micro_batch_size: int, device, *args) -> torch.Tensor:
+def in_row_chunks(forward, model, batch, micro_batch_size: int, device, *args, what: str = "forward") -> torch.Tensor:
     """(B, R) float32 `forward(model, input_ids, attention_mask, prompt_length, *args)` over a
     rollout or experience, `micro_batch_size` rows at a time (no gradients), on `device`:
-    the reference's logprobs, the critic's values and the actor's proximal logprobs."""
-    return torch.cat([forward(model, batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device),
-                              batch.prompt_length, *args).float()
-                      for rows in row_chunks(len(batch), micro_batch_size)])
+    the reference's logprobs, the critic's values and the actor's proximal logprobs.
+
+    A chunk that runs out of memory is halved and redone (reported as a degradation of
+    `what`); rows are scored independently, so the result is the same."""
+    def run(rows: slice) -> torch.Tensor:
+        return forward(model, batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device),
+                       batch.prompt_length, *args).float()
+
+    rows = micro_batch_size
+    fitted, free_then = _FITTED.get(model, (micro_batch_size, None))
+    if fitted < micro_batch_size:  # it ran out of memory before: start at what fitted...
+        free_now = free_bytes(device)
+        if free_now is None or free_then is None or free_now <= free_then:  # ...unless more is free now
+            rows = fitted
+    parts, used = in_chunks(run, len(batch), rows, what=what, device=device)
+    if used < rows:
+        _FITTED[model] = (used, free_bytes(device))
+    elif rows == micro_batch_size:
+        _FITTED.pop(model, None)
+    return torch.cat(parts)

@@ -21,7 +21,7 @@ class ReferenceRole:
     def logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """(B, R) log pi_ref of the response tokens, 0 on padding."""
         return in_row_chunks(response_logprobs, self.model, rollout, self.micro_batch_size, self.device,
-                             temperature).cpu() * rollout.response_mask
+                             temperature, what="reference logprobs").cpu() * rollout.response_mask
 
 
 def ref_logprobs(rollout: Rollout, temperature: float) -> torch.Tensor:

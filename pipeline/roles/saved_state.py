@@ -74,6 +74,9 @@ def recover(recovery: Recovery, role_name: str, initial_state: Callable[[], dict
         logger.warning("dask-rl: %s rebuilds from its recovery state v%d; the updates since are lost",
                        role_name, saved["version"] or 0)
         return saved
-    logger.warning("dask-rl: %s lost a rank and has no saved state: it starts again from its initial weights",
-                   role_name)
+    if recovery.published_version == 0:  # nothing applied yet: the initial weights are the state
+        logger.warning("dask-rl: %s rebuilds from its initial weights (no update applied yet)", role_name)
+    else:
+        logger.warning("dask-rl: %s lost a rank and has no saved state: it starts again from its initial weights",
+                       role_name)
     return {"model": initial_state(), "optim": None, "version": None, "result": None}

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import events
 from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
-from resources.allocator import MicroBatchAllocator
+from resources.allocator import (
+    OUT_OF_MEMORY, MicroBatchAllocator, first_line, free_bytes, group_any, group_min, release_cached, report,
+)
 
 logger = logging.getLogger("dask_rl")
 
@@ -159,9 +160,10 @@ class Trainable:
         """Accumulate gradients of `loss_fn` over the micro-batches `split(rows)`, reduce
         across ranks, step.
 
-        `rows` starts at what free memory allows (at most `max_rows`); an out-of-memory error
-        halves it and the same step is redone from zero gradients, so the result does not
-        depend on it. `loss_fn` must already divide by the global token count (see the
+        `rows` starts at what free memory allows (at most `max_rows`), the smallest any rank
+        allows; an out-of-memory error on any rank halves it on every rank and the same step
+        is redone from zero gradients, so the result does not depend on it (under FSDP an
+        out-of-memory error is raised: see below). `loss_fn` must already divide by the global token count (see the
         module docstring). Returns the summed stats of the micro-batches plus the gradient norm.
         """
         # Eval mode, i.e. dropout off, while computing gradients: the proximal log-probs and
@@ -174,22 +176,39 @@ class Trainable:
             for module in self.model.modules():
                 if getattr(module, "gradient_checkpointing", False) is True:
                     module.training = True
-        rows = self.allocator.rows(max_rows, tokens_per_row, self._free_bytes())
+        free = self._free_bytes()
+        rows = self.allocator.rows(max_rows, tokens_per_row, free)
+        if self.world_size > 1:  # one size for the group: the smallest any rank can fit
+            rows = group_min(rows, self.device)
         while True:
+            failure = None
             try:
                 totals = self._accumulate(split(rows), loss_fn, rows * tokens_per_row)
-                break
-            except torch.OutOfMemoryError:
-                if self._fsdp_active:  # FSDP ranks must run the same micro-batches: no local retry
+            except torch.OutOfMemoryError as error:
+                if self._fsdp_active:
+                    # The other ranks are inside this micro-batch's all-gathers by now: a
+                    # collective from here would pair with theirs. Sizes were agreed from
+                    # measured memory before the step; this one did not fit after all.
+                    logger.error("dask-rl: out of memory under FSDP with %d rows per micro-batch; the group "
+                                 "cannot redo a step mid-collective. Fix: lower train.micro_batch_size or turn "
+                                 "on train.gradient_checkpointing", rows)
                     raise
-                self.optimizer.zero_grad(set_to_none=True)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                rows, before = self.allocator.backoff(rows), rows
-                logger.warning("dask-rl: out of memory with %d rows per micro-batch; redoing the step with %d",
-                               before, rows)
-                events.emit("oom-backoff", f"out of memory with {before} rows per micro-batch; redoing the step "
-                            f"with {rows}", rows=rows)
+                failure = first_line(error)
+            # Outside the except block, whose traceback held the failed attempt's activations.
+            # Every rank learns whether any rank failed, and all redo the step together.
+            failed = group_any(failure is not None, self.device) if self.world_size > 1 else failure is not None
+            if not failed:
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            release_cached(self.device)
+            smaller = MicroBatchAllocator.backoff(rows)
+            if failure is not None:
+                self.allocator.observe_out_of_memory(free, rows * tokens_per_row)
+                report("optimizer step", rows, smaller, "rows per micro-batch", OUT_OF_MEMORY, failure)
+            else:
+                logger.info("dask-rl: another rank ran out of memory at %d rows per micro-batch; redoing the "
+                            "step with %d", rows, smaller)
+            rows, free = smaller, self._free_bytes()
         self.micro_batch_rows = rows
         if self.world_size > 1 and not self._fsdp_active:
             self._all_reduce_grads()
@@ -225,10 +244,7 @@ class Trainable:
         return totals
 
     def _free_bytes(self) -> int | None:
-        if not (torch.cuda.is_available() and str(self.device).startswith("cuda")):
-            return None
-        free, _ = torch.cuda.mem_get_info()
-        return free
+        return free_bytes(self.device)
 
     @property
     def _fsdp_active(self) -> bool:

@@ -77,7 +77,8 @@ def test_grpo_needs_at_least_two_samples_per_prompt():
     ({"gamma": 1.01}, "gamma"), ({"gamma": -0.1}, "gamma"), ({"lam": 1.5}, "lam"), ({"lam": -0.5}, "lam"),
     ({"ppo_epochs": 0}, "ppo_epochs"), ({"mini_batches": 0}, "mini_batches"), ({"is_cap": 0.5}, "is_cap"),
     ({"grad_clip": 0}, "grad_clip"), ({"seed": -1}, "seed"), ({"seed": 2**32}, "seed"),
-    ({"prompt_column": ""}, "prompt_column"),
+    ({"prompt_column": ""}, "prompt_column"), ({"reward_errors": "ignore"}, "reward_errors"),
+    ({"long_prompts": "cut"}, "long_prompts"), ({"weight_sync": "nccl"}, "weight_sync"),
     # 2 prompts x 1 sample = 2 rows: a third mini-batch would have none.
     ({"prompts_per_step": 2, "mini_batches": 3}, "mini_batches"),
 ])

@@ -29,6 +29,7 @@ from pipeline.records import Rollout
 from pipeline.rewards import digit_fraction
 from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
+from resources.allocator import OUT_OF_MEMORY, report
 
 SMALL = dict(prompts_per_step=8, max_new_tokens=8, actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=8,
              show_progress=False)
@@ -301,16 +302,21 @@ def test_events_from_workers_and_the_driver_reach_the_event_log(shared_cluster):
     submit(client, "critic", _emit_on_worker, tag="events").result()
 
     def logged(dask_scheduler=None):
-        return [e for e in dask_scheduler.plugins[NAME].events if "test event" in e["reason"]][-2:]
+        return [e for e in dask_scheduler.plugins[NAME].events if "test event" in e["reason"]][-3:]
 
-    driver, worker = client.run_on_scheduler(logged)
+    driver, worker, degraded = client.run_on_scheduler(logged)
     assert driver["kind"] == "fault" and driver["detail"] == 3 and "worker" not in driver
     assert worker["kind"] == "oom-backoff" and worker["role"] == "critic" and worker["worker"].startswith("critic-")
     assert worker["rows"] == 2
+    # The allocator's degradation events (resources.allocator.report) are on the page too.
+    assert degraded["kind"] == "oom-backoff" and degraded["worker"] == worker["worker"]
+    assert degraded["reason"] == ("critic: optimizer step: 8 -> 4 rows per micro-batch (out of memory: a test event: "
+                                  "CUDA out of memory)")
 
 
 def _emit_on_worker():
     events.emit("oom-backoff", "a worker-side test event", rows=2)
+    report("optimizer step", 8, 4, "rows per micro-batch", OUT_OF_MEMORY, "a test event: CUDA out of memory")
 
 
 def test_events_never_raise_into_the_training(shared_cluster):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from pipeline.data import PromptColumnError, PromptStream, read_prompts
+from pipeline.data import PromptColumnError, PromptLengthError, PromptStream, fit_to_context, read_prompts
 
 TEXTS = ["what is 1 plus 2? ", "what is 3 minus 1? ", "say 7: "]
 
@@ -86,6 +87,9 @@ BAD_LINES = {
     "deep nesting": (b"[" * 100_000 + b"\n", "line 1: JSON nested too deeply. Fix: write one JSON object"),
     "a number": (b'{"prompt": "a"}\n42\n', "line 2: no 'prompt' field (it is 42). Fix: set prompt_column"),
     "a json array file": (b'[{"prompt": "a"},\n {"prompt": "b"}]\n', "line 1: not valid JSON"),
+    # 64 MiB without a newline: refused after reading 4 MiB of it, not read whole.
+    "a binary blob": (b'{"prompt": "a"}\n' + b"\x00" * (64 << 20),
+                      "line 2: longer than 4 MiB, too long for a prompt. Fix: check the path points at a JSONL"),
 }
 
 
@@ -93,8 +97,10 @@ BAD_LINES = {
 def test_a_malformed_jsonl_line_names_the_file_and_the_line(tmp_path, content, expected):
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(content)
+    start = time.perf_counter()
     with pytest.raises(ValueError) as error:
         read_prompts(path)
+    assert time.perf_counter() - start < 1.0
     message = str(error.value)
     assert message.startswith(f"{path} {expected}") and "\n" not in message and len(message) < 400
 
@@ -192,3 +198,51 @@ def test_an_empty_prompt_text_is_caught_once_encoded(tiny_model):
     assert ids[0] == [2, 3]  # the char tokenizer: pad=0, eos=1, then 'a', 'b', ...
     with pytest.raises(ValueError, match="encode to no tokens"):
         PromptStream(ids, seed=0)
+
+
+def test_prompts_that_fit_the_context_pass_unchanged():
+    ids = [[1] * 5, [2] * 6]
+    assert fit_to_context(ids, context=10, max_new_tokens=4, long_prompts="refuse") is ids  # 6 + 4 = 10 fits
+    assert fit_to_context(ids, context=None, max_new_tokens=4, long_prompts="refuse") is ids  # no limit known
+
+
+LONG = [[1] * 3, [2] * 9, [3] * 4, [4] * 7]  # context 10 - max_new_tokens 4 = 6 tokens: prompts 1 and 3 are long
+LONG_WHAT = ("2 of 4 prompts are longer than 6 tokens (the model's context of 10 minus train.max_new_tokens 4); "
+             "the longest, prompt 1, has 9")
+
+
+def test_long_prompts_are_refused_with_their_count_and_the_longest(tmp_path):
+    with pytest.raises(PromptLengthError) as error:
+        fit_to_context(LONG, 10, 4, "refuse", source=tmp_path / "p.jsonl")
+    assert str(error.value) == (f"{tmp_path / 'p.jsonl'}: {LONG_WHAT}. Fix: shorten them, lower train.max_new_tokens, "
+                                "or set train.long_prompts: truncate (keep each one's last 6 tokens) or drop "
+                                "(leave them out).")
+
+
+def test_long_prompts_are_truncated_to_their_last_tokens_or_dropped(caplog):
+    ids = [list(range(9)), [7, 8], list(range(20, 27))]
+    with caplog.at_level("WARNING", logger="dask_rl"):
+        assert fit_to_context(ids, 10, 4, "truncate") == [[3, 4, 5, 6, 7, 8], [7, 8], [21, 22, 23, 24, 25, 26]]
+    assert "prompts: 2 of 3 prompts are longer than 6 tokens" in caplog.text and "kept their last 6" in caplog.text
+    assert fit_to_context(LONG, 10, 4, "drop") == [[1] * 3, [3] * 4]
+    with pytest.raises(PromptLengthError, match=r"^prompts: 2 of 2 prompts are longer .* truncate \(keep each "
+                                                r"one's last 6 tokens\)\.$"):
+        fit_to_context([[1] * 9, [2] * 7], 10, 4, "drop")  # nothing would be left
+
+
+def test_max_new_tokens_that_fill_the_context_are_refused():
+    with pytest.raises(PromptLengthError, match=r"train.max_new_tokens: 10 leaves no room for a prompt in the model's "
+                                                r"context of 10 tokens. Fix: use max_new_tokens below 10."):
+        fit_to_context([[1]], 10, 10, "truncate")
+
+
+def test_the_trainer_refuses_long_prompts_before_starting_a_cluster(tiny_model, shared_config):
+    from pipeline.trainer import HybridTrainer
+
+    # The tiny model takes 256 positions: 250 characters (one token each) + 16 new tokens do not fit.
+    start = time.perf_counter()
+    with pytest.raises(PromptLengthError, match=r"^prompts: 1 of 2 prompts are longer than 240 tokens .* the "
+                                                r"longest, prompt 1, has 250"):
+        HybridTrainer(tiny_model, len, shared_config, prompts=["short", "a" * 250], max_new_tokens=16,
+                      show_progress=False)
+    assert time.perf_counter() - start < 10  # no cluster was started (that takes far longer here)

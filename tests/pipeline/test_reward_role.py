@@ -73,14 +73,14 @@ def test_rule_reward_decodes_prompts_and_responses_without_padding_or_eos(tiny_m
     assert prompts == ["hi", "ok: ", "a"]
     assert responses == ["12a", "5 5 5", ""]
     scores = role.score(hand_rollout())
-    assert scores.shape == (3,)
-    torch.testing.assert_close(scores, torch.tensor([2 / 3, 3 / 5, 0.0]))
+    assert scores.values.shape == (3,) and scores.problems == []
+    torch.testing.assert_close(scores.values, torch.tensor([2 / 3, 3 / 5, 0.0]))
 
 
 def test_rule_reward_sees_the_prompt_too(tiny_model):
     seen = []
     role = RewardRole(tiny_model, function=lambda p, r: seen.append((p, r)) or float(len(p)))
-    torch.testing.assert_close(role.score(hand_rollout()), torch.tensor([2.0, 4.0, 1.0]))
+    torch.testing.assert_close(role.score(hand_rollout()).values, torch.tensor([2.0, 4.0, 1.0]))
     assert seen == [("hi", "12a"), ("ok: ", "5 5 5"), ("a", "")]
 
 
@@ -94,7 +94,7 @@ def test_a_reward_role_needs_exactly_one_of_function_or_model(tiny_model, reward
 def test_model_reward_equals_a_direct_forward_of_the_reward_model(tiny_model, reward_model):
     # batch_size 2 over 3 samples: one padded batch of two texts of different lengths, then one.
     role = RewardRole(tiny_model, model_dir=reward_model, batch_size=2)
-    scores = role.score(hand_rollout())
+    scores = role.score(hand_rollout()).values
     expected = direct_scores(reward_model, ["hi12a", "ok: 5 5 5", "a"])
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
     assert len(set(expected.tolist())) == 3  # the texts really score differently
@@ -113,7 +113,7 @@ def test_trainer_with_a_reward_model_scores_with_that_model(shared_cluster, shar
     request = GenerationRequest(prompt_ids=first_prompts, group_ids=draws, samples_per_prompt=2,
                                 max_new_tokens=6, temperature=temperature, seed=12345)
     generated = submit(client, "rollout", rollout.generate, request, None, tag="check")
-    on_worker = submit(client, "reward", reward.score, generated, tag="check").result()
+    on_worker = submit(client, "reward", reward.score, generated, tag="check").result().values
     samples = generated.result()
     prompt_texts, response_texts = RewardRole(tiny_model, function=digit_fraction).texts(samples)
     expected = direct_scores(reward_model, [p + r for p, r in zip(prompt_texts, response_texts)])
@@ -124,6 +124,58 @@ def test_trainer_with_a_reward_model_scores_with_that_model(shared_cluster, shar
     assert record.policy_version == 1 and trainer.version == 1
     assert math.isfinite(record.reward_mean)
     assert record.reward_mean == pytest.approx(expected.mean().item(), rel=1e-4, abs=1e-5)
+
+
+def _raise_on_ok(prompt: str, response: str) -> float:
+    if prompt.startswith("ok"):
+        raise ArithmeticError("no score for ok")
+    return 1.0
+
+
+# What a reward function returns for the prompt "ok: " (row 1), and how the role reports it.
+BAD_REWARDS = {
+    "raises": (_raise_on_ok, "the reward function raised ArithmeticError: no score for ok"),
+    "string": (lambda p, r: "0.5" if p.startswith("ok") else 1.0,
+               "the reward function returned '0.5' (a str), not a number"),
+    "None": (lambda p, r: None if p.startswith("ok") else 1.0,
+             "the reward function returned None (a NoneType), not a number"),
+    "tensor of two": (lambda p, r: torch.ones(2) if p.startswith("ok") else torch.tensor(1.0),
+                      "the reward function returned a tensor of shape (2,), not one number"),
+    "nan": (lambda p, r: math.nan if p.startswith("ok") else 1, "the reward function returned nan, not a finite"),
+    "-inf": (lambda p, r: -math.inf if p.startswith("ok") else True, "the reward function returned -inf"),
+    "huge int": (lambda p, r: 10**400 if p.startswith("ok") else 1.0, "an integer too large for a float"),
+}
+
+
+@pytest.mark.parametrize("function, error", BAD_REWARDS.values(), ids=BAD_REWARDS.keys())
+def test_a_bad_reward_marks_its_sample_with_the_texts_and_the_error(tiny_model, function, error):
+    scores = RewardRole(tiny_model, function=function).score(hand_rollout())
+    assert scores.values[[0, 2]].tolist() == [1.0, 1.0]  # one good number per other row (True is 1)
+    assert math.isnan(scores.values[1])
+    [problem] = scores.problems
+    assert (problem.row, problem.role, problem.prompt, problem.response) == (1, "reward", "ok: ", "5 5 5")
+    assert error in problem.error
+
+
+def test_prompt_and_response_in_a_problem_are_cut_short(tiny_model):
+    rollout = hand_rollout()
+    role = RewardRole(tiny_model, function=lambda p, r: None)
+    role.texts = lambda _: (["p" * 5000] * 3, ["r" * 5000] * 3)  # as if the model wrote 5000 characters
+    problem = role.score(rollout).problems[0]
+    assert problem.prompt == "p" * 197 + "..." and problem.response == "r" * 197 + "..."
+
+
+def test_a_reward_model_scoring_nan_marks_its_samples(tiny_model, reward_model, tmp_path):
+    from transformers import Qwen2ForSequenceClassification
+
+    broken = Qwen2ForSequenceClassification.from_pretrained(reward_model)
+    with torch.no_grad():
+        broken.score.weight.fill_(math.nan)  # a reward model whose head went NaN in its own training
+    broken.save_pretrained(tmp_path / "broken")
+    build_char_tokenizer().save_pretrained(tmp_path / "broken")
+    scores = RewardRole(tiny_model, model_dir=str(tmp_path / "broken")).score(hand_rollout())
+    assert scores.values.isnan().all()
+    assert [(p.row, p.error) for p in scores.problems] == [(r, "the reward model scored nan") for r in range(3)]
 
 
 def test_waiting_on_a_role_nobody_has_times_out_naming_the_role_and_the_fix(shared_cluster):

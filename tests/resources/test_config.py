@@ -10,7 +10,7 @@ import yaml
 from resources import devices
 from resources.config import ROLES, AdaptiveBounds, ResourceConfigError, RoleSpec
 from resources.validate import load_resource_config, parse_resource_config, with_role
-from resources.devices import GpuInfo
+from resources.devices import GpuInfo, GpuProcess
 
 DESIGN_FILE = """\
 actor:   {device_type: cuda, device_ids: [0, 1], strategy: fsdp}
@@ -182,6 +182,22 @@ def test_busy_gpu_is_refused_unless_allowed():
         "used). Fix: pick a free GPU, stop what runs there, or set allow_busy_devices: true to "
         "share it anyway.")
     assert load_resource_config({**DESIGN, "allow_busy_devices": True}, gpus=gpus)
+
+
+def test_busy_gpu_refusal_names_the_process_and_its_memory_and_the_threshold_is_a_key():
+    gpus = [idle(i) for i in range(5)]
+    holder = GpuProcess(4242, "python3", 12 * GiB)
+    gpus[2] = GpuInfo(2, "H200", 140 * GiB, 128 * GiB, 12 * GiB, 30, 1, (holder,))
+    with pytest.raises(ResourceConfigError) as info:
+        load_resource_config(DESIGN, gpus=gpus)
+    assert str(info.value).startswith("<dict>: reward.device_ids: [2]: GPU 2 is busy (pid 4242 (python3) uses "
+                                      "12.0 GiB, 9% of memory used). Fix: pick a free GPU")
+    # 12 of 140 GiB is below a threshold of 10%: the file may say so.
+    config = load_resource_config({**DESIGN, "busy_memory_fraction": 0.1}, gpus=gpus)
+    assert config.busy_memory_fraction == 0.1 and load_resource_config(config.to_dict(), gpus=gpus) == config
+    for bad in (1, 1.5, -0.1, True, "5%", float("nan")):
+        with pytest.raises(ResourceConfigError, match="busy_memory_fraction: .*expected a share of GPU memory"):
+            load_resource_config({**DESIGN, "busy_memory_fraction": bad}, gpus=gpus)
 
 
 DELETE = object()

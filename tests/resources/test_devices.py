@@ -1,6 +1,7 @@
 """NVML probing: the no-driver path (this machine, CI) and a fake NVML for the GPU path."""
 
 import ast
+import os
 import sys
 import types
 from pathlib import Path
@@ -8,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from resources import devices
-from resources.devices import GpuInfo, busy_gpus, pin_to_device
+from resources.devices import GpuInfo, GpuProcess, busy_gpus, pin_to_device
 
 GiB = 1 << 30
+NO_PID = (1 << 22) + 1  # above Linux's largest pid_max: no such process
 
 
 def gpu(index: int, used_gib: float = 0.0, processes: int = 0, total_gib: int = 100) -> GpuInfo:
@@ -49,7 +51,16 @@ def nvml_with(gpus: list[dict]) -> types.SimpleNamespace:
         return unsupported() if h["util"] is None else types.SimpleNamespace(gpu=h["util"])
 
     def procs(h):
-        return unsupported() if h["procs"] is None else [object()] * h["procs"]
+        if h["procs"] is None:
+            return unsupported()
+        if isinstance(h["procs"], int):  # processes NVML counts but does not describe
+            return [object()] * h["procs"]
+        return [types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h["procs"]]
+
+    def process_name(pid):
+        if pid != 4242:
+            raise NVMLError("Not Found")  # e.g. another container's process
+        return b"/usr/bin/python3"
 
     return types.SimpleNamespace(
         nvmlInit=lambda: None,
@@ -60,6 +71,7 @@ def nvml_with(gpus: list[dict]) -> types.SimpleNamespace:
             total=h["total"], used=h["used"], free=h["total"] - h["used"]),
         nvmlDeviceGetUtilizationRates=util,
         nvmlDeviceGetComputeRunningProcesses=procs,
+        nvmlSystemGetProcessName=process_name,
     )
 
 
@@ -137,6 +149,33 @@ def test_busy_gpus(infos, expected):
 def test_busy_gpus_threshold():
     assert busy_gpus([gpu(0, used_gib=3)], min_used_fraction=0.01) == {0: "3% of memory used"}
     assert busy_gpus([gpu(0, used_gib=3)], min_used_fraction=0.05) == {}
+
+
+def test_processes_are_named_with_their_memory(fake_pynvml):
+    fake_pynvml(nvml_with([{"total": 100 * GiB, "used": 31 * GiB, "util": 90,
+                            "procs": [(4242, 30 * GiB), (os.getpid(), 2**64 - 1), (NO_PID, 0)]}]))
+    [info] = devices.get_gpu_usage()
+    # Where NVML cannot name a process, /proc does (this test's own process), else "?"; NVML's
+    # "not available" memory value is None.
+    own = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    assert info.processes == (GpuProcess(4242, "python3", 30 * GiB), GpuProcess(os.getpid(), own, None),
+                              GpuProcess(NO_PID, "?", 0))
+    assert info.process_count == 3
+    assert busy_gpus([info]) == {0: f"pid 4242 (python3) uses 30.0 GiB, pid {os.getpid()} ({own}) memory not "
+                                    "reported, 31% of memory used"}
+
+
+def test_a_small_process_alone_does_not_make_a_gpu_busy():
+    monitor = GpuInfo(0, "H200", 100 * GiB, 99 * GiB, 1 * GiB, 0, 1, (GpuProcess(9, "dcgm", 1 * GiB),))
+    assert busy_gpus([monitor]) == {}
+    assert busy_gpus([monitor], min_used_fraction=0.005) == {0: "pid 9 (dcgm) uses 1.0 GiB, 1% of memory used"}
+
+
+def test_exported_from_resources():
+    import resources
+
+    assert resources.get_gpu_usage is devices.get_gpu_usage and resources.pin_to_device is pin_to_device
+    assert {"get_gpu_usage", "pin_to_device", "GpuInfo", "GpuProcess"} <= set(resources.__all__)
 
 
 def test_pin_to_device():

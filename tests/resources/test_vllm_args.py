@@ -86,3 +86,17 @@ def test_the_static_key_list_is_the_installed_vllms():
         f"resources/vllm_keys.py is out of date for vllm {vllm.__version__}: add {missing}, remove {extra}")
     # The keys the engine sets itself are real engine keys (the refusal is about the clash).
     assert set(vllm_keys.SET_BY_DASK_RL) <= installed
+
+
+@pytest.mark.parametrize("args, problem", [
+    ("{gpu_memory_utilization: 1.5}", "gpu_memory_utilization: 1.5: expected a fraction of the GPU's memory in (0, 1]"),
+    ("{gpu_memory_utilization: 0}", "gpu_memory_utilization: 0: expected a fraction"),
+    ("{gpu_memory_utilization: .nan}", "gpu_memory_utilization: nan: expected a fraction"),
+    ("{max_model_len: 0}", "max_model_len: 0: expected an integer >= 1. Fix: use e.g. 4096."),
+    ("{max_num_seqs: 2.5}", "max_num_seqs: 2.5: expected an integer >= 1"),
+    ("{cpu_offload_gb: .inf}", "cpu_offload_gb: inf: not a finite number. Fix: use a finite number, or remove the key"),
+])
+def test_engine_numbers_out_of_range_are_refused_when_the_file_loads(tmp_path, args, problem):
+    with pytest.raises(ResourceConfigError) as caught:
+        load_resource_config(vllm_file(tmp_path, args))
+    assert f"rollout.vllm_args.{problem}" in str(caught.value)

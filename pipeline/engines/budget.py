@@ -1,0 +1,62 @@
+"""How many sequences a generation batch may hold in the memory its GPU has left.
+
+The rollout engines ask before every request (the memory another process or a co-located
+role holds changes while a run goes on), so a GPU that fills up shrinks the next batch
+instead of failing it. The estimate is the KV cache of a sequence at its full length plus
+the decode step's per-sequence workspace; an out-of-memory error is still caught and
+halves the batch (resources.allocator.in_chunks), so a low estimate costs one retry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Float32 copies of one row of logits alive during sampling (the scaled logits, their
+# log-softmax, the race keys, and one for the filters / the model's own output).
+SAMPLING_COPIES = 4
+# Share of the free memory a generation batch may plan to use: the rest absorbs the
+# allocator's rounding and what the estimate leaves out.
+HEADROOM = 0.85
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token adds to the cache, over all layers."""
+    text = _text_config(config)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def sequence_bytes(config, dtype: torch.dtype, prompt_length: int, length: int, cache_copies: int = 1) -> int:
+    """Peak bytes one sequence needs while it is generated to `length` tokens.
+
+    `cache_copies`: 1 for a preallocated cache; 2 for one that grows by concatenation
+    (transformers' dynamic cache holds the old and the new tensor for a moment). The
+    prefill term is one layer's activations over the prompt plus its attention scores
+    (the eager worst case), freed layer by layer.
+    """
+    text = _text_config(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    prefill = prompt_length * (3 * intermediate + 4 * text.hidden_size) * size \
+        + text.num_attention_heads * prompt_length * prompt_length * 4
+    sampling = SAMPLING_COPIES * 4 * text.vocab_size
+    return cache_copies * kv_bytes_per_token(config, dtype) * length + prefill + sampling
+
+
+def fitting_rows(free: int | None, per_sequence: int, max_rows: int, headroom: float = HEADROOM) -> int:
+    """Sequences that fit in `free` bytes: at most `max_rows`, at least 1; `max_rows`
+    without a memory reading (CPU)."""
+    if free is None or per_sequence <= 0:
+        return max_rows
+    return max(1, min(max_rows, int(headroom * free / per_sequence)))
+
+
+def power_of_two_below(rows: int) -> int:
+    """The largest power of two <= rows (rows >= 1)."""
+    return 1 << (max(rows, 1).bit_length() - 1)
