@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--steps", type=int, help="override train.steps")
     run.add_argument("--output-dir", help="where the trained models, checkpoints, metrics and samples go")
     run.add_argument("--dashboard-address", default=":8787")
+    _add_listen_flags(run, "the scheduler, its dashboard and the workers")
     run.add_argument("--scheduler-address", help="train on a running `dask-rl scheduler` and its `dask-rl worker`s")
+    _add_tls_flags(run)
     run.add_argument("--resume", nargs="?", const=True, metavar="DIR",
                      help="continue from the newest valid checkpoint under DIR (default: the output directory)")
     run.add_argument("--sample-every", type=int, default=10, metavar="N",
@@ -74,7 +76,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return run_file(args.file, steps=args.steps, output_dir=args.output_dir,
                         dashboard_address=args.dashboard_address, scheduler_address=args.scheduler_address,
-                        resume=args.resume, sample_every=args.sample_every)
+                        resume=args.resume, sample_every=args.sample_every, host=args.host,
+                        security=security_from(args))
     if args.command == "worker":
         return run_worker(args)
     if args.command == "scheduler":
@@ -82,6 +85,35 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "scale":
         return run_scale(args)
     return 2
+
+
+def _add_listen_flags(parser, what: str) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help=f"interface {what} listen on (default 127.0.0.1, this machine only; 0.0.0.0: every "
+                             f"interface, for workers or browsers on other hosts)")
+    parser.add_argument("--dashboard-address", default=":8787",
+                        help="dashboard [HOST]:PORT (default :8787; without a host it follows --host)")
+
+
+def _add_tls_flags(parser) -> None:
+    tls = parser.add_argument_group("TLS", "encrypt and authenticate every connection with mutual TLS (the CA "
+                                           "file and a certificate signed by it; README: multi-host runs)")
+    tls.add_argument("--tls-ca-file", help="PEM file of the CA that signed every participant's certificate")
+    tls.add_argument("--tls-cert", help="PEM certificate of this process (may hold the key too)")
+    tls.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def security_from(args: argparse.Namespace):
+    """The Security for the TLS flags, or None without them."""
+    if not (args.tls_ca_file or args.tls_cert):
+        return None
+    if not (args.tls_ca_file and args.tls_cert):
+        print("dask-rl: TLS needs both --tls-ca-file and --tls-cert (and --tls-key unless the cert file holds "
+              "the key). Fix: give the CA file and this host's certificate", file=sys.stderr)
+        raise SystemExit(2)
+    from resources.cluster import tls_security
+
+    return tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
 
 
 def _add_cluster_commands(commands) -> None:
@@ -98,6 +130,9 @@ def _add_cluster_commands(commands) -> None:
     worker.add_argument("--nthreads", type=int, default=1, help=argparse.SUPPRESS)
     worker.add_argument("--allow-busy", action="store_true", help="start even on a GPU NVML reports busy")
     worker.add_argument("--timeout", type=float, default=30.0, help="seconds to reach the scheduler")
+    worker.add_argument("--host", help="interface the workers listen on (default: every interface, since the "
+                                       "scheduler and other hosts' workers connect to them)")
+    _add_tls_flags(worker)
     scale = commands.add_parser("scale", help="change a role of a running training (update_resource from a shell)",
                                 description="Ask the trainer running on this scheduler to change one role; "
                                             "it applies the change at its next step boundary.")
@@ -108,12 +143,13 @@ def _add_cluster_commands(commands) -> None:
     scale.add_argument("--strategy", help="e.g. data_parallel for reward on several devices")
     scale.add_argument("--device-type", choices=("cuda", "cpu"), help="move the role between GPUs and CPU")
     scale.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the trainer's answer")
+    _add_tls_flags(scale)
     scheduler = commands.add_parser("scheduler", help="run a scheduler for trainers and `dask-rl worker`s to join",
                                     description="A Dask scheduler with dask-rl's settings.")
-    scheduler.add_argument("--host", help="interface address to listen on (default: all)")
+    _add_listen_flags(scheduler, "the scheduler and its dashboard")
     scheduler.add_argument("--port", type=int, default=8786)
-    scheduler.add_argument("--dashboard-address", default=":8787")
     scheduler.add_argument("--preload", action="append", default=[], help="module to import in the scheduler")
+    _add_tls_flags(scheduler)
 
 
 def run_scale(args: argparse.Namespace) -> int:
@@ -127,7 +163,7 @@ def run_scale(args: argparse.Namespace) -> int:
 
     request = {"component": args.role, "device_ids": args.device_ids, "strategy": args.strategy,
                "workers": args.workers, "device_type": args.device_type}
-    with Client(args.address, timeout=10) as client:
+    with Client(args.address, timeout=10, security=security_from(args)) as client:
         answer = send_remote_request(client, request, args.timeout)
     if "error" in answer:
         print(f"dask-rl scale: {answer['error']}", file=sys.stderr)
@@ -147,7 +183,8 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     try:
         start_role_worker(args.address, args.role, args.device_ids, name=args.name, nthreads=args.nthreads,
-                          workers=args.workers or 1, allow_busy=args.allow_busy, timeout=args.timeout)
+                          workers=args.workers or 1, allow_busy=args.allow_busy, timeout=args.timeout,
+                          host=args.host, security=security_from(args))
     except WorkerStartError as error:
         print(f"dask-rl worker: {error}", file=sys.stderr)
         return 2
@@ -162,18 +199,23 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from distributed._signals import wait_for_signals
     from distributed.utils import format_dashboard_link
 
-    from resources.cluster import configure_dask
+    from pipeline.monitor import PAGE
+    from resources.cluster import configure_dask, listen_address
 
     configure_dask()  # worker-ttl and the other scheduler-side settings must be set before it starts
+    security = security_from(args)
+    # The RL page and the monitor: pipeline.dashboard installs them as the scheduler starts.
+    preload = ["pipeline.dashboard", *args.preload]
 
     async def serve() -> None:
-        async with Scheduler(host=args.host, port=args.port, dashboard_address=args.dashboard_address,
-                             preload=args.preload or None) as scheduler:
+        async with Scheduler(host=args.host, port=args.port, preload=preload, security=security,
+                             protocol="tls" if security is not None else None,
+                             dashboard_address=listen_address(args.dashboard_address, args.host)) as scheduler:
             print(f"dask-rl: scheduler at {scheduler.address}", flush=True)
             if "dashboard" in scheduler.services:
                 link = format_dashboard_link(scheduler.address.split("://")[1].rsplit(":", 1)[0],
                                              scheduler.services["dashboard"].port)
-                print(f"dask-rl: dashboard at {link}", flush=True)
+                print(f"dask-rl: dashboard at {link}, RL page {link.rsplit('/', 1)[0]}{PAGE}", flush=True)
             print(f"dask-rl: join it with `dask-rl worker {scheduler.address} --role ROLE [--device-ids N]` "
                   f"and HybridTrainer(..., scheduler_address={scheduler.address!r})", flush=True)
             signalled = asyncio.ensure_future(wait_for_signals())
@@ -187,7 +229,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 def run_file(path: str, *, steps: int | None = None, output_dir: str | None = None,
              dashboard_address: str = ":8787", scheduler_address: str | None = None,
-             resume: str | bool | None = None, sample_every: int = 10) -> int:
+             resume: str | bool | None = None, sample_every: int = 10, host: str = "127.0.0.1",
+             security=None) -> int:
     """Train as the run file says; print how the reward moved and where the results are.
 
     Ctrl-C or SIGTERM ends the run after the step in flight (a checkpoint is written when
@@ -251,7 +294,7 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
                                 prompts=prompts, critic_model=inputs.get("critic_model"),
                                 reference_model=inputs.get("reference_model"), output_dir=str(out),
                                 dashboard_address=dashboard_address, scheduler_address=scheduler_address,
-                                resume=resume, **train)
+                                resume=resume, host=host, security=security, **train)
     except (ModelSourceError, CheckpointError) as error:  # raised before any worker starts
         print(f"dask-rl: {error}", file=sys.stderr)
         return 2

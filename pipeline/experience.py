@@ -42,8 +42,9 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
         advantages=advantages, returns=returns, old_values=old_values,
         prompt_length=rollout.prompt_length,
     )
-    stats = {"reward_mean": float(scores.float().mean()), "kl_mean": float(masked_mean(kl, mask)),
-             "response_length": float(mask.sum(-1).mean()), "tokens": int(mask.sum())}
+    stats = {"reward_mean": float(scores.float().mean()), "reward_std": float(scores.float().std(correction=0)),
+             "kl_mean": float(masked_mean(kl, mask)), "response_length": float(mask.sum(-1).mean()),
+             "tokens": int(mask.sum())}
     return experience, stats
 
 

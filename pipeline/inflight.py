@@ -8,6 +8,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from pipeline import events
 from pipeline.config import TrainConfig
 from pipeline.data import PromptStream
 from pipeline.records import GenerationRequest
@@ -47,6 +48,8 @@ class InFlight:
         while version - batch.version > tc.max_staleness:
             logger.warning("dask-rl: dropping a batch of version %d (now %d, max_staleness %d)",
                            batch.version, version, tc.max_staleness)
+            events.emit("stale-batch", f"dropped a batch of version {batch.version} at version {version} "
+                        f"(max_staleness {tc.max_staleness})", client=self.fleet.client)
             batch = self._pending.popleft() if self._pending else self._submit(version, weights)
         while len(self._pending) < tc.max_staleness:
             self._pending.append(self._submit(version, weights))

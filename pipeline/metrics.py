@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 class PhaseTimer:
@@ -36,6 +37,7 @@ class StepRecord:
     staleness: float                  # mean (current version - generating version) of the batch
     losses: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
+    reward_std: float = 0.0           # spread of the batch's rewards (population std)
     # Work the workers made smaller to fit GPU memory during the step, one line each
     # ("role: what: before -> after unit (cause: detail)"), and how many of them an
     # out-of-memory error forced (the others were planned smaller from a memory reading).
@@ -56,6 +58,10 @@ class StepRecord:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field plus tokens_per_second: what the dashboard and /metrics are sent."""
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
 
     def summary(self) -> dict[str, str]:
         """The progress bar's postfix."""

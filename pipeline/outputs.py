@@ -22,6 +22,7 @@ import torch
 
 from pipeline import checkpoint
 from pipeline.config import TrainConfig
+from pipeline.events import decode_samples
 from pipeline.fleet import states
 from pipeline.metrics import StepRecord
 
@@ -40,13 +41,8 @@ class RunOutputs:
 
     # -- per step ----------------------------------------------------------------------------
     def samples(self, rollout, scores: torch.Tensor) -> list[dict[str, Any]]:
-        """The first `log_samples` rows of a step as text, with their rewards."""
-        rows = range(min(self.train_config.log_samples, len(scores)))
-        prompt_length = rollout.prompt_length
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return [{"prompt": decode(rollout.input_ids[i, :prompt_length][rollout.attention_mask[i, :prompt_length] > 0]),
-                 "response": decode(rollout.input_ids[i, prompt_length:][rollout.response_mask[i] > 0]),
-                 "reward": float(scores[i])} for i in rows]
+        """`log_samples` rows of a step as text, with their rewards (spread over the batch)."""
+        return decode_samples(self.tokenizer, rollout, scores, n=self.train_config.log_samples)
 
     def log(self, record: StepRecord) -> None:
         figures = record.figures()

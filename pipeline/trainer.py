@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-from pipeline import weights
+from pipeline import events, monitor, weights
 from pipeline.config import make_train_config
 from pipeline.data import PromptStream, encode_prompts, fit_to_context, read_prompts
 from pipeline.engines import vllm as vllm_engine
@@ -53,6 +53,9 @@ class HybridTrainer:
             were started with `dask-rl worker` instead of starting a local cluster.
         output_dir: where metrics, samples, checkpoints and the models go (pipeline/outputs.py).
         resume: a checkpoint or a directory of them (True: output_dir's) to continue from.
+        dashboard_address / host: where the local cluster's dashboard, scheduler and workers
+            listen: this machine only unless `host` names an interface ("0.0.0.0": all).
+        security: a distributed Security (resources.cluster.tls_security) for TLS.
         **train: any TrainConfig field (steps=..., prompts_per_step=..., ...).
     """
 
@@ -60,8 +63,8 @@ class HybridTrainer:
                  algorithm: str = "ppo", prompts: Any = None, *, critic_model: Any = None,
                  reference_model: Any = None, tokenizer: Any = None, output_dir: str | None = None,
                  cluster: RoleCluster | None = None, scheduler_address: str | None = None,
-                 dashboard_address: str = ":8787", show_progress: bool = True, resume: str | bool | None = None,
-                 **train: Any):
+                 dashboard_address: str = ":8787", host: str = "127.0.0.1", security: Any = None,
+                 show_progress: bool = True, resume: str | bool | None = None, **train: Any):
         self.train_config = tc = make_train_config({"algorithm": algorithm, **train})
         uses_vllm = config.role("rollout").strategy == "vllm"
         if uses_vllm and cluster is None and scheduler_address is None:
@@ -86,11 +89,12 @@ class HybridTrainer:
                       *(("critic",) if tc.algorithm == "ppo" else ()))
         self.outputs = RunOutputs(self.output_dir, tc, self.tokenizer, self.roles)
         resume_from = self.outputs.find_checkpoint(resume)  # before any worker starts: a bad one fails first
-        run_id = f"{os.getpid()}-{int(time.time())}-{id(self) % 10_000}"
+        self.run_id = run_id = f"{os.getpid()}-{int(time.time())}-{id(self) % 10_000}"
         snapshot_dir = str(weights.default_snapshot_dir(run_id))
         self.fleet = Fleet(config, self.roles, snapshot_dir=snapshot_dir,
                            weight_sync=tc.weight_sync, cluster=cluster, scheduler_address=scheduler_address,
-                           dashboard_address=dashboard_address)
+                           dashboard_address=dashboard_address, host=host, security=security)
+        monitor.watch(self.fleet.client, run_id, algorithm=tc.algorithm, roles=list(self.roles))
         if uses_vllm and (cluster is not None or scheduler_address is not None):
             # Workers started elsewhere may run another Python: ask them, before any model loads.
             vllm_engine.require_vllm_on(self.fleet.client, self.fleet.addresses("rollout"))
@@ -101,8 +105,9 @@ class HybridTrainer:
         self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
         self.update = PolicyUpdate(self.fleet, tc, self.roles)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
+        link = self.fleet.cluster.dashboard_link
         print(f"dask-rl: scheduler at {self.fleet.client.scheduler.address} (for `dask-rl worker` and "
-              f"`dask-rl scale`); dashboard at {self.fleet.cluster.dashboard_link}", flush=True)
+              f"`dask-rl scale`); dashboard at {link}, RL page {link.rsplit('/', 1)[0]}{monitor.PAGE}", flush=True)
 
     @property
     def resources(self) -> ResourceConfig:
@@ -182,7 +187,7 @@ class HybridTrainer:
                             reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
-                            dropped_samples=dropped + stats["dropped_samples"],
+                            reward_std=stats["reward_std"], dropped_samples=dropped + stats["dropped_samples"],
                             samples=self.outputs.samples(rollout_data, scores))
         # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).
         degraded = self.fleet.degradations()
@@ -190,6 +195,8 @@ class HybridTrainer:
         record.oom_backoffs = sum(d.cause == OUT_OF_MEMORY for d in degraded)
         self.history.append(record)
         self.outputs.log(record)  # metrics.jsonl, samples.jsonl, TensorBoard: flushed now
+        # The RL page's and /metrics' figures: one small message per step.
+        events.publish_step(self.fleet.client, self.run_id, record.as_dict(), record.samples)
         return record
 
     def _screen(self) -> SampleScreen:

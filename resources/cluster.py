@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 import dask
 from distributed import Client, Future, Scheduler, SpecCluster
+from distributed.security import Security
 
 from resources.launcher import LocalLauncher, close_nannies, dask_worker_spec
 from resources.plan import WorkerSpec
@@ -42,6 +43,20 @@ def configure_dask() -> None:
     """Apply DASK_SETTINGS in this process; Nannies pass the config on to their workers."""
     dask.config.set(DASK_SETTINGS)
     logging.getLogger("distributed").setLevel(logging.WARNING)
+
+
+def tls_security(ca_file: str, cert: str, key: str | None = None) -> Security:
+    """Mutual TLS on every connection: this process shows `cert` (with `key`, or a PEM file
+    holding both) as scheduler, worker and client, and trusts peers signed by `ca_file`."""
+    return Security(tls_ca_file=ca_file, require_encryption=True,
+                    **{f"tls_{role}_{part}": path for role in ("scheduler", "worker", "client")
+                       for part, path in (("cert", cert), ("key", key)) if path})
+
+
+def listen_address(dashboard_address: str, host: str) -> str:
+    """":8787" -> "HOST:8787": a dashboard address without a host follows the scheduler's,
+    where Dask would read it as every interface."""
+    return f"{host}{dashboard_address}" if dashboard_address.startswith(":") else dashboard_address
 
 
 def live_workers(client: Client) -> dict[str, dict]:
@@ -122,37 +137,50 @@ class RoleCluster:
 
     launcher = None  # connected mode: the LocalLauncher of workers add_workers started here
 
-    def __init__(self, workers: Iterable[WorkerSpec], *, dashboard_address: str = ":8787",
-                 scheduler_address: str = "127.0.0.1", silence_logs: int = logging.WARNING):
+    def __init__(self, workers: Iterable[WorkerSpec], *, dashboard_address: str = ":8787", host: str = "127.0.0.1",
+                 security: Security | None = None, preload: Iterable[str] = (),
+                 silence_logs: int = logging.WARNING):
+        """`host`: the interface the scheduler, its dashboard and the workers listen on
+        (localhost unless asked; "0.0.0.0" is every interface); `security`: TLS for every
+        connection (tls_security); `preload`: modules the scheduler imports as it starts."""
         configure_dask()
         self.specs: dict[str, WorkerSpec] = {w.name: w for w in workers}
-        scheduler = {"cls": Scheduler, "options": {"dashboard_address": dashboard_address,
-                                                   "host": scheduler_address}}
+        self.host, self.security = host, security
+        options = {"dashboard_address": listen_address(dashboard_address, host), "host": host,
+                   "preload": list(preload)}
+        if security is not None:  # every connection then goes over tls://, the workers' too
+            options.update(security=security, protocol="tls")
         self.cluster = RoleSpecCluster(
-            workers={name: dask_worker_spec(w) for name, w in self.specs.items()},
-            scheduler=scheduler, silence_logs=silence_logs, name="dask-rl",
+            workers={name: self._worker_spec(w) for name, w in self.specs.items()},
+            scheduler={"cls": Scheduler, "options": options}, silence_logs=silence_logs, name="dask-rl",
+            security=security,
         )
-        self.client = Client(self.cluster, direct_to_workers=True)
+        self.client = Client(self.cluster, direct_to_workers=True, security=security)
+
+    def _worker_spec(self, worker: WorkerSpec) -> dict:
+        return dask_worker_spec(worker, host=self.host, security=self.security)
 
     @classmethod
-    def connect(cls, address: str, roles: Iterable[str] = (), *, timeout: float) -> RoleCluster:
+    def connect(cls, address: str, roles: Iterable[str] = (), *, timeout: float,
+                security: Security | None = None) -> RoleCluster:
         """Join the scheduler at `address` and wait until every role in `roles` has a worker.
 
         No scheduler and no worker is started: the workers are `dask-rl worker` processes
         (or `dask cuda worker --resources ROLE=1`) on any host. add_workers still works and
         starts workers on this host; close() stops those and leaves the scheduler and the
         remote workers running. `specs` holds only the workers this object started, so
-        update_resource never retires a worker some other host owns.
+        update_resource never retires a worker some other host owns. A `tls://` scheduler
+        needs `security` (tls_security), which the workers started here use too.
         """
         configure_dask()
         self = cls.__new__(cls)  # no SpecCluster: __init__ would start one
-        self.specs, self.cluster = {}, None
+        self.specs, self.cluster, self.host, self.security = {}, None, None, security
         try:
-            self.client = Client(address, timeout=timeout, direct_to_workers=True)
+            self.client = Client(address, timeout=timeout, direct_to_workers=True, security=security)
         except OSError as error:
             raise ConnectionError(f"could not reach a Dask scheduler at {address} within {timeout:.0f}s ({error}). "
                                   f"Fix: start one with `dask-rl scheduler` and check the host and port") from error
-        self.launcher = LocalLauncher(self.client)
+        self.launcher = LocalLauncher(self.client, security)
         try:
             self._wait_for_roles(tuple(roles), timeout)
         except BaseException:
@@ -213,7 +241,7 @@ class RoleCluster:
         if self.launcher is not None:  # connected: Nannies on this host, pointed at the remote scheduler
             self.launcher.start(workers, timeout)
         else:
-            self.cluster.add({w.name: dask_worker_spec(w) for w in workers})
+            self.cluster.add({w.name: self._worker_spec(w) for w in workers})
         return self._wait_for_names({w.name for w in workers}, timeout)
 
     def _wait_for_names(self, names: set[str], timeout: float) -> dict[str, str]:

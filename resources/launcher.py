@@ -22,14 +22,19 @@ from typing import Iterable
 
 from distributed import Client, Nanny
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.security import Security
 
 from resources.plan import WorkerSpec
 
 logger = logging.getLogger("dask_rl")
 
 
-def dask_worker_spec(worker: WorkerSpec) -> dict:
-    """The SpecCluster entry for one role worker."""
+def dask_worker_spec(worker: WorkerSpec, *, host: str | None = None, security: Security | None = None) -> dict:
+    """The SpecCluster entry for one role worker.
+
+    `host`: the interface its Nanny, worker and worker dashboard listen on (None: all, as
+    a worker joining from another host needs); `security`: TLS settings (None: plain TCP).
+    """
     options = {
         "name": worker.name,
         "nthreads": worker.nthreads,
@@ -39,6 +44,10 @@ def dask_worker_spec(worker: WorkerSpec) -> dict:
         "silence_logs": logging.WARNING,
         "memory_limit": 0,
     }
+    if host is not None:
+        options["host"] = host
+    if security is not None:
+        options["security"] = security
     options["plugins"] = {SignalsToTheDriver(), *(_cuda_worker_plugins(worker.device_id)
                                                    if worker.device_type == "cuda" else ())}
     return {"cls": Nanny, "options": options}
@@ -70,14 +79,16 @@ def _cuda_worker_plugins(device_id: int) -> set:
     return {CPUAffinity(get_cpu_affinity(device_id))}
 
 
-async def start_nannies(scheduler_address: str, workers: Iterable[WorkerSpec]) -> dict[str, Nanny]:
+async def start_nannies(scheduler_address: str, workers: Iterable[WorkerSpec], *, host: str | None = None,
+                        security: Security | None = None) -> dict[str, Nanny]:
     """Start one Nanny-managed worker process per spec; returns name -> Nanny once all joined.
 
     A Nanny's start returns after its worker registered with the scheduler and ran every
     worker plugin's setup, i.e. after a role worker has loaded its model. If one fails to
     start, the ones already started are closed again and the error is raised.
     """
-    nannies = {w.name: Nanny(scheduler_address, **dask_worker_spec(w)["options"]) for w in workers}
+    nannies = {w.name: Nanny(scheduler_address, **dask_worker_spec(w, host=host, security=security)["options"])
+               for w in workers}
     results = await asyncio.gather(*nannies.values(), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
@@ -100,8 +111,9 @@ class LocalLauncher:
     and never touches the scheduler or anybody else's workers.
     """
 
-    def __init__(self, client: Client):
+    def __init__(self, client: Client, security: Security | None = None):
         self.client = client
+        self.security = security  # the client's TLS settings serve its workers too
         self.nannies: dict[str, Nanny] = {}
 
     @property
@@ -109,7 +121,8 @@ class LocalLauncher:
         return self.client.scheduler.address
 
     def start(self, workers: list[WorkerSpec], timeout: float) -> None:
-        started = self.client.sync(start_nannies, self.scheduler_address, workers, callback_timeout=timeout)
+        started = self.client.sync(start_nannies, self.scheduler_address, workers, security=self.security,
+                                   callback_timeout=timeout)
         self.nannies.update(started)
 
     def stop(self, names: Iterable[str]) -> None:

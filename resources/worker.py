@@ -122,19 +122,20 @@ def role_worker_specs(role: str, device_ids: list[int] | None = None, *, workers
             for n, d in zip(names, devices)]
 
 
-async def _names_on(scheduler_address: str, timeout: float) -> set[str]:
+async def _names_on(scheduler_address: str, timeout: float, security=None) -> set[str]:
     """Worker names already registered with the scheduler (also checks it is reachable)."""
-    async with rpc(scheduler_address, timeout=timeout) as scheduler:
+    connection_args = security.get_connection_args("worker") if security is not None else None
+    async with rpc(scheduler_address, timeout=timeout, connection_args=connection_args) as scheduler:
         identity = await asyncio.wait_for(scheduler.identity(), timeout)
     return {str(w.get("name")) for w in identity.get("workers", {}).values()}
 
 
 async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | None, workers: int,
-                 role: str, hostname: str | None, timeout: float) -> None:
+                 role: str, hostname: str | None, timeout: float, host: str | None, security) -> None:
     from resources.launcher import close_nannies, start_nannies
 
     try:
-        taken = await _names_on(scheduler_address, timeout)
+        taken = await _names_on(scheduler_address, timeout, security)
     except (OSError, asyncio.TimeoutError) as error:
         reason = str(error) or f"no answer within {timeout:.0f}s"
         raise WorkerStartError(f"could not reach a Dask scheduler at {scheduler_address} ({reason}). Fix: start one "
@@ -148,7 +149,7 @@ async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | No
         raise WorkerStartError(f"worker name {clash[0]!r} is already taken on {scheduler_address}. Fix: pass "
                                f"--name with another name (is this GPU's worker already running?)")
     try:
-        nannies = await start_nannies(scheduler_address, specs)
+        nannies = await start_nannies(scheduler_address, specs, host=host, security=security)
     except Exception as error:  # e.g. a name another host took meanwhile; the worker log says more
         raise WorkerStartError(f"workers {[s.name for s in specs]} failed to join {scheduler_address}: "
                                f"{error!r}") from error
@@ -173,8 +174,13 @@ async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | No
 
 def start_role_worker(scheduler_address: str, role: str, device_ids: list[int] | None = None,
                       name: str | None = None, nthreads: int = 1, *, workers: int = 1,
-                      allow_busy: bool = False, hostname: str | None = None, timeout: float = 30.0) -> None:
+                      allow_busy: bool = False, hostname: str | None = None, timeout: float = 30.0,
+                      host: str | None = None, security=None) -> None:
     """Join `scheduler_address` as `role` workers and block until interrupted or retired.
+
+    `host`: the interface the workers listen on (None: every interface, so that the
+    scheduler and the workers on other hosts reach them); `security`: TLS settings
+    (cluster.tls_security) for a `tls://` scheduler.
 
     Raises WorkerStartError (before anything starts) for an unknown role, a GPU id this
     machine lacks, a busy GPU, a machine without NVML when device ids are given, or a
@@ -188,4 +194,4 @@ def start_role_worker(scheduler_address: str, role: str, device_ids: list[int] |
         validate_device_ids(device_ids, allow_busy)
     check_scheduler(scheduler_address)  # after the local checks: a wrong role is named whatever the network
     configure_dask()  # the Nannies hand this config to their workers
-    asyncio.run(_serve(scheduler_address, specs, name, workers, role, hostname, timeout))
+    asyncio.run(_serve(scheduler_address, specs, name, workers, role, hostname, timeout, host, security))

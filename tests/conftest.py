@@ -31,11 +31,13 @@ def shared_config():
 
 
 def role_cluster(config):
-    """A fresh local cluster with one worker per planned role worker (close it after use)."""
+    """A fresh local cluster with one worker per planned role worker (close it after use).
+
+    Its scheduler preloads the RL dashboard, as the trainer's own cluster does."""
     from resources.cluster import RoleCluster
     from resources.plan import plan_workers
 
-    return RoleCluster(plan_workers(config), dashboard_address=":0")
+    return RoleCluster(plan_workers(config), dashboard_address=":0", preload=["pipeline.dashboard"])
 
 
 @pytest.fixture(scope="session")

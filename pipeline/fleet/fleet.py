@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from pipeline import weights
+from pipeline import events, weights
 from pipeline.fleet import boundary
 from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
@@ -59,15 +59,17 @@ class Fleet:
 
     def __init__(self, config: ResourceConfig, roles: tuple[str, ...], *, snapshot_dir: str,
                  weight_sync: str = "auto", cluster: RoleCluster | None = None,
-                 scheduler_address: str | None = None, dashboard_address: str = ":8787"):
+                 scheduler_address: str | None = None, dashboard_address: str = ":8787",
+                 host: str = "127.0.0.1", security: Any = None):
         self.config = config
         self.roles = roles
         self.snapshot_dir = snapshot_dir
         self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
         if cluster is None and scheduler_address is not None:
-            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds)
+            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds, security=security)
         self.cluster = cluster or RoleCluster([w for w in plan_workers(config) if w.role in roles],
-                                              dashboard_address=dashboard_address)
+                                              dashboard_address=dashboard_address, host=host, security=security,
+                                              preload=["pipeline.dashboard"])  # the RL page and its monitor
         self.client = self.cluster.client
         self.groups = ProcessGroups(self.client)
         self.routes = WeightRoutes(self.cluster, weight_sync)
@@ -252,6 +254,8 @@ class Fleet:
                                     tuple(w["name"] for w in self.cluster.workers_of(role)), spec.device_ids,
                                     spec.strategy, time.perf_counter() - start_time, ready)
             logger.warning("dask-rl: %s", change)
+            events.emit("scale", str(change), client=self.client, role=role, added=list(change.added),
+                        removed=list(change.removed))
             changes.append(change)
         self.config = new_config
         return changes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline import events
 from pipeline.fleet.reconcile import ResourceRequest
 from resources.adaptive import RoleAdaptive
 
@@ -23,10 +24,23 @@ def start_adaptive(fleet, bounds, *, interval: float, wait_count: int, **policy:
         if role not in scalable:
             raise ValueError(f"adapt: {role!r} cannot be scaled on its own here. Fix: bound one of {scalable}")
     return RoleAdaptive(
-        fleet.client, bounds, move=lambda source, target, reason: move_one(fleet, source, target),
-        resize=lambda role, workers, reason: resize_role(fleet, role, workers), interval=interval,
+        fleet.client, bounds, interval=interval,
+        move=lambda source, target, reason: _decided(fleet, f"move {source} -> {target}", reason, move_one, fleet,
+                                                     source, target),
+        resize=lambda role, workers, reason: _decided(fleet, f"resize {role} to {workers}", reason, resize_role,
+                                                      fleet, role, workers),
         wait_count=wait_count, pools={role: config.role(role).device_type for role in bounds},
         decisions=fleet.adaptive_decisions, **policy).start()
+
+
+def _decided(fleet, action: str, reason: str, apply, *args) -> None:
+    """Apply one adaptive decision; the RL page's event log gets it with its reason, and its failure."""
+    events.emit("adaptive", f"{action}: {reason}", client=fleet.client)
+    try:
+        apply(*args)
+    except Exception as error:
+        events.emit("adaptive-failed", f"{action}: {error!r}", client=fleet.client)
+        raise
 
 
 def move_one(fleet, source: str, target: str) -> None:

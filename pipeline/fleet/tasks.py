@@ -8,6 +8,8 @@ from typing import Iterable
 
 from distributed import Client, Future, wait
 
+from pipeline import events
+
 # submit lives with the role-tagged workers it targets, so that pipeline.roles.sync can use it
 # without importing this driver-side module; the driver modules keep importing it from here.
 from resources.cluster import live_workers, role_addresses, submit  # noqa: F401
@@ -57,6 +59,8 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
                 logger.warning("dask-rl: %s has no live worker; waiting up to %.0fs for a replacement "
                                "(update_resource or `dask-rl worker ... --role %s`) to finish %s",
                                role, remaining, role, what)
+                events.emit("fault", f"{role} has no live worker; waiting up to {remaining:.0f}s for a replacement "
+                            f"to finish {what}", client=client, role=role)
                 warned = True
 
 

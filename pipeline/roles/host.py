@@ -18,6 +18,8 @@ from typing import Any, Callable
 from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from pipeline import events
+
 logger = logging.getLogger("dask_rl")
 
 
@@ -55,6 +57,7 @@ class RoleHost(WorkerPlugin):
             self.error = error
         finally:
             self.ready.set()
+        events.announce_worker(worker, self.role)  # the RL page's worker table: role and devices
 
     def _build(self):
         import torch

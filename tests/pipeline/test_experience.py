@@ -63,8 +63,10 @@ def test_ppo_advantages_and_returns_by_hand():
     assert torch.equal(experience.ref_logprobs, REF)
     assert torch.equal(experience.behavior_logprobs, BEHAVIOR)
     assert experience.prompt_length == 2
-    # KL mean over the 5 valid tokens: (0.5 + 0 + 0.25 + 0 + 0.5) / 5; the padded 7.0 is left out
-    assert stats == {"reward_mean": 0.5, "kl_mean": pytest.approx(0.25), "response_length": 2.5, "tokens": 5}
+    # KL mean over the 5 valid tokens: (0.5 + 0 + 0.25 + 0 + 0.5) / 5; the padded 7.0 is left out.
+    # Rewards 2 and -1: mean 0.5, spread (population std) 1.5.
+    assert stats == {"reward_mean": 0.5, "reward_std": 1.5, "kl_mean": pytest.approx(0.25), "response_length": 2.5,
+                     "tokens": 5}
 
 
 def test_ppo_returns_are_taken_before_whitening():
