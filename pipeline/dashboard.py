@@ -40,9 +40,14 @@ def install() -> None:
     if _installed:
         return
     import dask
-    from distributed.dashboard.scheduler import applications
 
-    applications[PAGE] = rl_page
+    try:
+        from distributed.dashboard.scheduler import applications
+    except ImportError as error:  # no bokeh: Dask serves no dashboard pages at all, ours included
+        logger.warning("dask-rl: no dashboard pages (%s): pip install 'bokeh>=3.1'; /metrics still has the "
+                       "dask_rl_* figures", error)
+    else:
+        applications[PAGE] = rl_page
     # Tornado takes the first route that matches: ours goes before distributed's json routes.
     routes = list(dask.config.get("distributed.scheduler.http.routes"))
     if ROUTES_MODULE not in routes:
