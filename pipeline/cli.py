@@ -30,7 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("file", help="run file, e.g. examples/quickstart.yaml")
     run.add_argument("--steps", type=int, help="override train.steps")
     run.add_argument("--output-dir", help="where the trained models, checkpoints, metrics and samples go")
-    run.add_argument("--dashboard-address", default=":8787")
     _add_listen_flags(run, "the scheduler, its dashboard and the workers")
     run.add_argument("--scheduler-address", help="train on a running `dask-rl scheduler` and its `dask-rl worker`s")
     _add_tls_flags(run)

@@ -55,6 +55,7 @@ def test_train_starts_and_stops_adaptation_from_the_file(adaptive_cluster, tiny_
         trainer.adapt({"critic": (1, 2)})
 
 
+@pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite
 def test_idle_reward_worker_moves_to_starved_rollout(adaptive_cluster, tiny_model, prompts, caplog):
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             cluster=adaptive_cluster, **ROLLOUT_BOUND)

@@ -94,6 +94,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_run_step_for_step(shared_cluste
     assert [_figures(r) for r in again] == [_figures(r) for r in straight[2:]]
 
 
+@pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite
 def test_resume_after_a_resize_starts_from_the_saved_weights(shared_cluster, shared_config, tiny_model, prompts,
                                                              tmp_path):
     """Saved with 2 actor and 2 rollout workers, resumed with 1 of each."""

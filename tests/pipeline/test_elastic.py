@@ -143,6 +143,7 @@ def test_killed_rollout_worker_costs_no_batch(elastic_cluster, tiny_model, promp
     assert submit(elastic_cluster.client, "rollout", worker_identity).result()["pid"] != pid
 
 
+@pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite
 def test_reward_reference_and_critic_change_too(elastic_cluster, tiny_model, prompts):
     """PPO on the same cluster (its critic is placed with the actor: two CPU workers)."""
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,

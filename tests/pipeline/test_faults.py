@@ -95,6 +95,8 @@ def _assert_same_run(records, final, reference):
         torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
+# Each drill kills and restarts workers of its own cluster: CI runs them in the slow suite.
+@pytest.mark.slow
 @pytest.mark.parametrize("rank,strategy", [(0, "ddp"), pytest.param(1, "ddp", marks=pytest.mark.slow),
                                            pytest.param(1, "fsdp", marks=pytest.mark.slow)])
 def test_an_actor_rank_killed_during_its_update_costs_one_redo_and_changes_nothing(

@@ -194,6 +194,7 @@ def test_connected_cluster_starts_local_workers_and_closes_only_those(remote):
         assert {w["name"] for w in table.values()} == {f"{role}-{HOST}-0" for role in GRPO_ROLES}
 
 
+@pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite
 def test_a_worker_joins_the_trainers_own_scheduler(processes, tiny_model, prompts):
     from distributed import get_task_stream
 
