@@ -170,6 +170,7 @@ def test_reward_reference_and_critic_change_too(elastic_cluster, tiny_model, pro
     assert trainer.step().policy_version == 4
 
 
+@pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite
 def test_dask_rl_scale_changes_a_role_of_a_running_training_from_a_shell(elastic_cluster, tiny_model, prompts):
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             cluster=elastic_cluster, steps=30, **GRPO)

@@ -146,6 +146,7 @@ def test_connect_to_no_scheduler_says_so():
         RoleCluster.connect("tcp://127.0.0.1:9", timeout=1)
 
 
+@pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite
 def test_grpo_trains_on_remote_workers_and_a_late_worker_takes_reward_tasks(remote, processes, tiny_model,
                                                                             prompts):
     from pipeline.trainer import HybridTrainer
@@ -176,6 +177,7 @@ def test_grpo_trains_on_remote_workers_and_a_late_worker_takes_reward_tasks(remo
     assert all(proc.poll() is None for proc, _ in remote["workers"].values())
 
 
+@pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite
 def test_connected_cluster_starts_local_workers_and_closes_only_those(remote):
     cluster = RoleCluster.connect(remote["address"], ("reward",), timeout=60)
     first = cluster.next_index("reward")
