@@ -171,9 +171,9 @@ class Fleet:
         micro-batches and chunks, smaller generation batches), oldest first. Read from the
         scheduler's event log: a worker sends its event before its task's result, so a
         step's own degradations are there once its results are."""
-        events = self.client.get_events(DEGRADATION_TOPIC)
-        new = [msg for stamp, msg in events if stamp > self._degradations_read]
-        self._degradations_read = max((stamp for stamp, _ in events), default=self._degradations_read)
+        logged = self.client.get_events(DEGRADATION_TOPIC)
+        new = [msg for stamp, msg in logged if stamp > self._degradations_read]
+        self._degradations_read = max((stamp for stamp, _ in logged), default=self._degradations_read)
         names = {f.name for f in dataclasses.fields(Degradation)}
         return [Degradation(**{key: msg[key] for key in names}) for msg in new]
 
