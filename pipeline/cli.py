@@ -333,11 +333,19 @@ class _StopOnSignal:
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, number, frame) -> None:
+        import contextlib
         import os
         import shutil
         import signal
 
         if self.signal is not None and number == signal.SIGINT:
+            import psutil  # distributed's own dependency
+
+            # The worker processes this run started go first: an update still in flight
+            # would otherwise publish into the snapshot directory after it was removed.
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
             if self.trainer is not None:
                 shutil.rmtree(self.trainer.fleet.snapshot_dir, ignore_errors=True)
             print("\ndask-rl: interrupted again; exiting now", file=sys.stderr, flush=True)

@@ -129,17 +129,22 @@ def test_a_critic_killed_during_its_update_comes_back_with_its_state(fault_clust
 @pytest.mark.parametrize("role", ["rollout", "reward", "reference", "critic", "actor"])
 def test_a_worker_killed_at_a_random_moment_costs_no_step(fault_cluster, tiny_model, prompts, role, measured):
     seed = random.randrange(10_000)
-    delay = random.Random(seed).uniform(1.0, 8.0)
+    # Early enough to fall inside the run: 10 tiny-model steps take 2-10 s on 2 cores.
+    delay = random.Random(seed).uniform(0.2, 1.2)
     pid = random.Random(seed).choice(_pids(fault_cluster, role))
+    timer = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
 
     def fault(trainer):
-        timer = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
         timer.start()
         return timer
 
-    records, final, seconds = _train(fault_cluster, tiny_model, prompts, steps=10, fault=fault)
+    try:
+        records, final, seconds = _train(fault_cluster, tiny_model, prompts, steps=10, fault=fault)
+    finally:
+        timer.cancel()  # a kill that did not come during this run must not hit the next test's
     assert [r.policy_version for r in records] == list(range(1, 11)), f"seed {seed}"
     assert all(torch.isfinite(t).all() for t in final.values())
-    assert pid not in _pids(fault_cluster, role), f"seed {seed}: the kill at {delay:.1f}s came after the run"
+    assert delay < seconds, f"seed {seed}: the kill at {delay:.1f}s came after the {seconds:.1f}s run"
+    assert pid not in _pids(fault_cluster, role), f"seed {seed}: the worker was not killed"
     measured(f"fault drill: {role} worker killed {delay:.1f}s into a 10-step PPO run (seed {seed}): "
              f"10 consecutive versions in {seconds:.1f}s")
