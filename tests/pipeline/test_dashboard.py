@@ -126,9 +126,20 @@ COLUMNS = ("(name => {{ const d = Bokeh.documents[0].get_model_by_name(name).dat
 
 
 @pytest.fixture(scope="module")
-def watched_run(shared_cluster, shared_config, tiny_model, prompts, tmp_path_factory):
-    """A 3-step PPO run on the shared cluster while every dashboard route is fetched over and
+def dashboard_cluster(shared_config):
+    """A scheduler of these tests' own: what the RL page and /metrics show is this module's
+    run and events, whatever the tests before it left on a shared scheduler."""
+    from conftest import role_cluster
+
+    with role_cluster(shared_config) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def watched_run(dashboard_cluster, shared_config, tiny_model, prompts, tmp_path_factory):
+    """A 3-step PPO run on the module's cluster while every dashboard route is fetched over and
     over, and the RL page is open in a headless Chromium (where there is one) from the start."""
+    shared_cluster = dashboard_cluster
     client = shared_cluster.client
     client.run_on_scheduler(_start_task_stream)
     base = shared_cluster.dashboard_link.rsplit("/", 1)[0]
