@@ -218,20 +218,23 @@ class RLPage:
     # -- refreshing --------------------------------------------------------------------------
     def update(self) -> None:
         # Runs on the scheduler's event loop, where the training's terminal is: a failure here
-        # is one log line, not a traceback a second.
-        try:
-            self._update()
-        except Exception as error:
-            if not self.failed:
-                logger.warning("dask-rl: the RL dashboard page could not refresh: %r", error)
-            self.failed = True
-
-    def _update(self) -> None:
+        # is one log line, not a traceback a second. Each part refreshes on its own, so a figure
+        # that cannot be drawn does not freeze the tables below it.
         monitor = self.scheduler.plugins.get(NAME)
         if monitor is None:
             return
+        for part in (self._update_workers, self._update_steps, self._update_tables):
+            try:
+                part(monitor)
+            except Exception as error:
+                if not self.failed:
+                    logger.warning("dask-rl: the RL dashboard page could not refresh (%s): %r", part.__name__, error)
+                self.failed = True
+
+    def _update_workers(self, monitor: RLMonitor) -> None:
         _replace(self.workers, _columns(WORKER_COLUMNS, [_worker_row(w) for w in monitor.workers()]))
-        self._update_steps(monitor)
+
+    def _update_tables(self, monitor: RLMonitor) -> None:
         if self.events_seen != (len(monitor.events), monitor.changes):
             self.events_seen = (len(monitor.events), monitor.changes)
             _replace(self.events, _columns(EVENT_COLUMNS, [_event_row(e) for e in reversed(monitor.events)]))

@@ -34,6 +34,11 @@ from resources.allocator import OUT_OF_MEMORY, report
 SMALL = dict(prompts_per_step=8, max_new_tokens=8, actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=8,
              show_progress=False)
 WATCHED = ("tornado", "tornado.application", "bokeh", "distributed", "dask_rl")
+# distributed's ProfileTimePlot asks for the profile asynchronously and then calls its
+# document through a weak reference; a plain GET of a profile page (what these tests do, not
+# what a browser does) drops that document first, and the answer logs this AttributeError.
+# It is Dask's own race, and says nothing of the routes or the RL page.
+DISCARDED_DOCUMENT = "'NoneType' object has no attribute 'add_next_tick_callback'"
 
 
 class ErrorLog(logging.Handler):
@@ -47,6 +52,8 @@ class ErrorLog(logging.Handler):
     def emit(self, record):
         if "unresponsive" in record.getMessage():
             self.unresponsive.append(record.getMessage()[:120])
+        elif DISCARDED_DOCUMENT in record.getMessage() or DISCARDED_DOCUMENT in str(record.exc_info and record.exc_info[1]):
+            pass  # Dask's profile plot answering a document already dropped (see DISCARDED_DOCUMENT)
         elif record.levelno >= logging.ERROR or record.exc_info or "dashboard" in record.getMessage():
             self.records.append(record)
 
@@ -172,30 +179,40 @@ def watched_run(dashboard_cluster, shared_config, tiny_model, prompts, tmp_path_
 
             def during_the_run():
                 poll(routes)
-                while not done.wait(0.2):
+                while not done.wait(1.0):  # often enough to land in every phase, without crowding
                     poll(plain)
 
+            # One event through the public path before the first step (an unscaled CPU run logs
+            # none), so the page's event table gets a row while the run goes on.
+            events.emit("fault", "a driver-side event for the RL page", client=client)
             poller = threading.Thread(target=during_the_run)
             poller.start()
             records = trainer.train()
             done.set()
             poller.join(120)
-            poll(routes)
-            # One event through the public path, so the page's event table has a row to show.
-            events.emit("fault", "a driver-side event for the RL page", client=client)
+            # The open page is read before the Bokeh pages are asked for again: each of those GETs
+            # builds a whole document on the scheduler's loop, ahead of this page's refreshes.
             read_start = time.monotonic()
-            page = read_rl_page(browser, len(records), tmp_path_factory.mktemp("rl-page")) if browser else None
+            page = read_rl_page(browser, client, len(records), tmp_path_factory.mktemp("rl-page")) if browser else None
             browser_seconds += time.monotonic() - read_start
+            poll(routes)
         yield {"trainer": trainer, "records": records, "statuses": statuses, "errors": errors.records,
                "base": base, "page": page, "slowest": sorted(slowest.items(), key=lambda kv: -kv[1])[:8],
                "unresponsive": errors.unresponsive,
                "browser_seconds": browser_seconds}
 
 
-def read_rl_page(browser: Browser, steps: int, tmp_path) -> dict:
+def read_rl_page(browser: Browser, client, steps: int, tmp_path) -> dict:
     """What the open RL page plots once `steps` points arrived, and its screenshot."""
-    browser.wait_for(f"{STEPS_SOURCE}.data.step.length >= {steps}", timeout=60)
-    browser.wait_for("Bokeh.documents[0].get_model_by_name('dask-rl-events').data.reason.length > 0", timeout=30)
+    try:
+        browser.wait_for(f"{STEPS_SOURCE}.data.step.length >= {steps}", timeout=60)
+        browser.wait_for("Bokeh.documents[0].get_model_by_name('dask-rl-events').data.reason.length > 0",
+                         timeout=30)
+    except TimeoutError as error:  # what the scheduler held then, to tell the page from the monitor
+        state = client.run_on_scheduler(_monitor_state)
+        raise AssertionError(f"{error}; the monitor held {len(state['steps'])} steps and these events: "
+                             f"{[e['reason'] for e in state['events']]}; the page has "
+                             f"{browser.evaluate('Bokeh.documents.length')} Bokeh document(s)") from error
     data = browser.evaluate(f"(() => {{ const d = {STEPS_SOURCE}.data; const out = {{}};"
                             " for (const k of Object.keys(d)) out[k] = Array.from(d[k]); return out; })()")
     tables = browser.evaluate("Object.fromEntries(['dask-rl-workers', 'dask-rl-samples', 'dask-rl-events']"
@@ -239,7 +256,7 @@ def test_the_rl_page_in_a_headless_browser_plots_the_live_run(watched_run, measu
     assert sorted(tables["dask-rl-workers"]["name"]) == sorted(trainer.fleet.cluster.specs)
     assert set(tables["dask-rl-workers"]["devices"]) == {"cpu"}
     assert len(tables["dask-rl-samples"]["prompt"]) == 4 and set(tables["dask-rl-samples"]["step"]) == {2}
-    assert "a driver-side event for the RL page" in tables["dask-rl-events"]["reason"][0]
+    assert any("a driver-side event for the RL page" in reason for reason in tables["dask-rl-events"]["reason"])
     assert page["renderers"] >= 5  # reward band and line, KL, lag, a loss line, a throughput line
     png = page["screenshot"].read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
