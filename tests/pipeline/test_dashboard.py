@@ -133,20 +133,9 @@ COLUMNS = ("(name => {{ const d = Bokeh.documents[0].get_model_by_name(name).dat
 
 
 @pytest.fixture(scope="module")
-def dashboard_cluster(shared_config):
-    """A scheduler of these tests' own: what the RL page and /metrics show is this module's
-    run and events, whatever the tests before it left on a shared scheduler."""
-    from conftest import role_cluster
-
-    with role_cluster(shared_config) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def watched_run(dashboard_cluster, shared_config, tiny_model, prompts, tmp_path_factory):
+def watched_run(shared_cluster, shared_config, tiny_model, prompts, tmp_path_factory):
     """A 3-step PPO run on the module's cluster while every dashboard route is fetched over and
     over, and the RL page is open in a headless Chromium (where there is one) from the start."""
-    shared_cluster = dashboard_cluster
     client = shared_cluster.client
     client.run_on_scheduler(_start_task_stream)
     base = shared_cluster.dashboard_link.rsplit("/", 1)[0]
@@ -163,8 +152,9 @@ def watched_run(dashboard_cluster, shared_config, tiny_model, prompts, tmp_path_
                 browser.wait_for(f"!!({STEPS_SOURCE})")
             browser_seconds = time.monotonic() - browser_start
             routes = concrete_routes(base, client)
-            # A Bokeh page builds its document (and periodic callbacks) at each GET: those are asked
-            # for once during the run and once after; the plain routes again and again meanwhile.
+            # A Bokeh page builds its document (and periodic callbacks) at each GET, and the
+            # document lives on, refreshing, until Bokeh drops unconnected sessions (15 s): those
+            # pages are asked for once, during the run; the plain routes all through it and after.
             plain = [r for r in routes if r.startswith(("/json/", "/info", "/metrics", "/health", "/sitemap",
                                                          "/individual-plots"))]
             statuses: dict[str, set[int]] = {}
@@ -190,12 +180,10 @@ def watched_run(dashboard_cluster, shared_config, tiny_model, prompts, tmp_path_
             records = trainer.train()
             done.set()
             poller.join(120)
-            # The open page is read before the Bokeh pages are asked for again: each of those GETs
-            # builds a whole document on the scheduler's loop, ahead of this page's refreshes.
             read_start = time.monotonic()
             page = read_rl_page(browser, client, len(records), tmp_path_factory.mktemp("rl-page")) if browser else None
             browser_seconds += time.monotonic() - read_start
-            poll(routes)
+            poll(plain)
         yield {"trainer": trainer, "records": records, "statuses": statuses, "errors": errors.records,
                "base": base, "page": page, "slowest": sorted(slowest.items(), key=lambda kv: -kv[1])[:8],
                "unresponsive": errors.unresponsive,
