@@ -152,13 +152,16 @@ class RLMonitor(SchedulerPlugin):
             if not role:
                 continue
             metrics, extra = ws.metrics or {}, ws.extra or {}
-            gpu = metrics.get("gpu") if isinstance(metrics.get("gpu"), dict) else {}
-            total = metrics.get("gpu-memory-total") or (extra.get("gpu") or {}).get("memory-total")
+            devices = self.devices.get(address, {}).get("devices") or "cpu"
+            # Dask's NVML figures are of the first visible GPU, which a CPU role worker on a
+            # GPU host sees too: they are not its memory, so it shows none.
+            gpu = metrics.get("gpu") if isinstance(metrics.get("gpu"), dict) and devices != "cpu" else {}
+            used = metrics.get("gpu_memory_used", gpu.get("memory-used")) if devices != "cpu" else None
+            total = (metrics.get("gpu-memory-total") or (extra.get("gpu") or {}).get("memory-total")
+                     if devices != "cpu" else None)
             rows.append({
-                "role": role, "name": str(ws.name), "address": address, "host": ws.host,
-                "devices": self.devices.get(address, {}).get("devices") or "cpu",
-                "gpu_memory_used": metrics.get("gpu_memory_used", gpu.get("memory-used")),
-                "gpu_memory_total": total, "memory": ws.memory.process,
+                "role": role, "name": str(ws.name), "address": address, "host": ws.host, "devices": devices,
+                "gpu_memory_used": used, "gpu_memory_total": total, "memory": ws.memory.process,
                 "processing": len(ws.processing), "status": ws.status.name,
             })
         return sorted(rows, key=lambda r: (ROLES.index(r["role"]) if r["role"] in ROLES else 99, r["name"]))

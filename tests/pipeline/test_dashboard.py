@@ -403,6 +403,8 @@ def test_metrics_and_the_worker_table_show_gpu_memory_per_role_on_a_gpu(tiny_mod
         workers = {w["role"]: w for w in trainer.fleet.client.run_on_scheduler(_monitor_state)["workers"]}
         assert workers["actor"]["devices"] == "0" and workers["reward"]["devices"] == "cpu"
         assert workers["actor"]["gpu_memory_total"] > workers["actor"]["gpu_memory_used"] > 0
+        # The CPU reward worker sees GPU 0 too: Dask's NVML figures are not its memory.
+        assert workers["reward"]["gpu_memory_used"] is None and workers["reward"]["gpu_memory_total"] is None
 
 
 async def _crash():  # a coroutine: client.run need not wait for an answer that never comes
