@@ -3,6 +3,9 @@ cluster serves every test that does not kill, add or retire workers."""
 
 from __future__ import annotations
 
+import contextlib
+import tracemalloc
+
 import pytest
 
 from resources import load_resource_config
@@ -66,3 +69,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in _MEASURED:
             terminalreporter.write_line(line)
+
+
+@contextlib.contextmanager
+def python_peak(limit_bytes: int):
+    """Fails if the block's Python allocations peak above `limit_bytes`: how the tests tell a
+    bad file refused early (read in bounded pieces, aliases not expanded) from one read whole.
+    Memory, not seconds, so the check holds on a loaded machine."""
+    tracemalloc.start()
+    try:
+        yield
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < limit_bytes, f"peaked at {peak / 2**20:.1f} MiB of Python memory (limit {limit_bytes / 2**20:.0f} MiB)"
