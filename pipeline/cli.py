@@ -242,15 +242,13 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
         check_scheduler(scheduler_address)  # first: nothing listening there is one line at once
     import tempfile
 
-    from pipeline.checkpoint import CheckpointError
     from pipeline.config import TrainConfigError, load_run_file, make_train_config
     from pipeline.data import read_prompts
-    from pipeline.models import ModelSourceError, create_tiny_model
     from pipeline.rewards import resolve_reward_function
-    from pipeline.trainer import HybridTrainer
     from resources.config import ResourceConfigError, shorten
 
-    # A bad file is the user's to fix: one line naming the key and the fix, no traceback.
+    # A bad file is the user's to fix: one line naming the key and the fix, no traceback, and
+    # at once: torch and Dask are imported only after the file has been checked.
     try:
         run = load_run_file(path)
         if run.resources.role("rollout").strategy == "vllm":
@@ -281,6 +279,10 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     except (ResourceConfigError, TrainConfigError, FileNotFoundError, ValueError, ImportError) as error:
         print(f"dask-rl: {error}", file=sys.stderr)
         return 2
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.models import ModelSourceError, create_tiny_model
+    from pipeline.trainer import HybridTrainer
+
     out = Path(output_dir or inputs.get("output_dir") or tempfile.mkdtemp(prefix="dask-rl-run-"))
     out.mkdir(parents=True, exist_ok=True)
     actor_model = inputs.get("actor_model", "tiny")
