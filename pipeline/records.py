@@ -153,17 +153,32 @@ def join_shards(rollouts: list[Rollout], **per_token: list[torch.Tensor]) -> tup
     return rollout, {name: cat(parts) for name, parts in per_token.items() if parts}
 
 
-def rank_shards(num_rows: int, world_size: int, mini_batches: int) -> list[list[torch.Tensor]]:
+def rank_shards(num_rows: int, world_size: int, mini_batches: int, role: str = "trainable"
+                ) -> list[list[torch.Tensor]]:
     """Split rows 0..num_rows-1 into per-rank lists of mini-batch row indices.
 
     Global mini-batch j is a contiguous block of rows; rank r trains on the r-th slice of
     every block. So the union over ranks of mini-batch j is the same set of rows whatever
     the world size, and an update on 2 ranks equals the update on 1 (gradients summed).
+    Slices differ by at most one row; a rank with none would have nothing to train on (and
+    under FSDP nothing to run its share of the collectives with): refused.
     """
     blocks = torch.arange(num_rows).tensor_split(mini_batches)
+    if len(blocks[-1]) < world_size:   # tensor_split puts the shorter blocks last
+        raise ValueError(f"{role}: mini-batch {len(blocks) - 1} has {len(blocks[-1])} rows for {world_size} ranks; "
+                         f"every rank needs at least one row of each mini-batch. Fix: raise train.prompts_per_step "
+                         f"or train.samples_per_prompt, lower train.mini_batches, or give the {role} role fewer workers")
     return [[block.tensor_split(world_size)[rank] for block in blocks] for rank in range(world_size)]
 
 
 def row_chunks(num_rows: int, chunk_size: int) -> list[slice]:
     """Consecutive row slices of at most `chunk_size` rows (micro-batches)."""
     return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
+
+
+def even_chunks(num_rows: int, count: int) -> list[slice]:
+    """`count` consecutive row slices whose sizes differ by at most one (the first are the
+    longer ones), covering rows 0..num_rows-1 in order."""
+    base, longer = divmod(num_rows, count)
+    stops = [(i + 1) * base + min(i + 1, longer) for i in range(count)]
+    return [slice(start, stop) for start, stop in zip([0, *stops[:-1]], stops)]

@@ -3,6 +3,8 @@
 Each role applies an update exactly once, by version (the worker side remembers what it
 applied, roles/training.py); a rank lost during the update costs one redo, as soon as the
 loss is seen, on a group rebuilt from the role's last good state (roles/saved_state.py).
+An out-of-memory error on one rank of a sharded (FSDP) group costs a redo the same way, with
+that role's micro-batches halved from then on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pipeline.fleet import Fleet
 from pipeline.metrics import normalise_update_stats, sum_stats
 from pipeline.records import Experience, rank_shards
 from pipeline.roles import actor, critic
+from resources.allocator import OUT_OF_MEMORY, GroupOutOfMemory, MicroBatchAllocator, OutOfMemoryAtOneRow
 
 logger = logging.getLogger("dask_rl")
 
@@ -27,23 +30,49 @@ class PolicyUpdate:
         self.fleet = fleet
         self.train_config = train_config
         self.roles = roles
+        # role -> rows per micro-batch after an out-of-memory error on a sharded rank, kept
+        # here for the rest of the run: the ranks restarted to free the group forget it.
+        self.micro_batch_caps: dict[str, int] = {}
 
     def __call__(self, experience: Experience) -> dict[str, float]:
-        """The update, redone once if a rank's worker died during it. Each role applies an
-        update exactly once (by version): in the redo a role that had finished returns its
-        first result, and a group that lost a rank rebuilds from its last good state."""
-        for attempt in (1, 2):
+        """The update, redone once if a rank's worker died during it, and with halved
+        micro-batches each time a sharded rank ran out of memory. Each role applies an
+        update exactly once (by version): in a redo a role that had finished returns its
+        first result, and a group that lost or freed a rank rebuilds from its last good state."""
+        redone_loss = False
+        while True:
             for role in self._lost_roles():  # a killed worker's Nanny restarts it: wait for it
                 self.fleet.await_replacements(role)
             try:
                 return self._once(experience)
+            except GroupOutOfMemory as error:
+                self._cap_micro_batches(error)
+                self.fleet.free_survivors(error.role)
+                self.fleet.await_replacements(error.role)
             except Exception as error:
                 lost = self._lost_roles()
-                if attempt == 2 or not lost:
+                if redone_loss or not lost:
                     raise
+                redone_loss = True
                 logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
                 for role in lost:
                     self.fleet.free_survivors(role)
+
+    def _cap_micro_batches(self, error: GroupOutOfMemory) -> None:
+        """Halve `error.role`'s micro-batches below the size that failed (bounded: one row
+        that does not fit is an error)."""
+        if error.rows <= 1:
+            raise OutOfMemoryAtOneRow(
+                f"{error}: a micro-batch of one row does not fit, and train.micro_batch_size cannot go lower. "
+                f"Fix: set train.gradient_checkpointing: true, shard the {error.role} over more GPUs (device_ids), "
+                f"or shorten prompts / max_new_tokens") from error
+        cap = MicroBatchAllocator.backoff(error.rows)
+        self.micro_batch_caps[error.role] = cap
+        self.fleet.degraded(error.role, error.what, error.rows, cap, "rows per micro-batch", OUT_OF_MEMORY,
+                            f"{error.detail}; the update is redone, the smaller size kept for the run")
+
+    def _micro_batch_size(self, role: str) -> int:
+        return self.micro_batch_caps.get(role, self.train_config.micro_batch_size)  # a cap is always below it
 
     def _lost_roles(self) -> list[str]:
         return [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]
@@ -54,14 +83,15 @@ class PolicyUpdate:
         normalizers = tuple(float(experience.response_mask[b].sum()) for b in blocks)
         policy_step = actor.PolicyStep(
             clip_ratio=tc.clip_ratio, kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
-            temperature=tc.temperature, micro_batch_size=tc.micro_batch_size, epochs=tc.ppo_epochs,
+            temperature=tc.temperature, micro_batch_size=self._micro_batch_size("actor"), epochs=tc.ppo_epochs,
             is_cap=tc.is_cap, normalizers=normalizers, next_version=self.fleet.version + 1,
             snapshot_dir=fleet.snapshot_dir, transport=fleet.publish_transport(),
             # A batch submitted at version v may start generating after v+N is out: keep v.
             keep_versions=tc.max_staleness + 2, recovery_path=self._recovery_path("actor"))
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
         if "critic" in self.roles:
-            critic_step = critic.CriticStep(clip_range=tc.value_clip, micro_batch_size=tc.micro_batch_size,
+            critic_step = critic.CriticStep(clip_range=tc.value_clip,
+                                            micro_batch_size=self._micro_batch_size("critic"),
                                             epochs=tc.ppo_epochs, normalizers=normalizers,
                                             next_version=self.fleet.version + 1,
                                             recovery_path=self._recovery_path("critic"))
@@ -92,7 +122,7 @@ class PolicyUpdate:
     def _rank_tasks(self, role: str, fn, experience, step) -> tuple[list[str], list]:
         """One task per rank, pinned to its worker (ranks must run at the same time)."""
         workers = self.fleet.addresses(role)
-        rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches)
+        rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches, role)
         groups = self.fleet.rank_groups(role, workers)
         return workers, [self.fleet.submit(role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,
                                            tag=f"{self.fleet.version}-r{rank}", workers=[address])

@@ -9,9 +9,10 @@ Three pieces, used by every role that runs a model on a worker:
 - `in_chunks`: a function over consecutive row slices that, on torch.OutOfMemoryError,
   halves the slice and retries it, keeping the slices already done (no-grad forwards,
   generation: rows are independent, so the result does not depend on the split).
-- `report`: every degradation is one warning line (role, what, sizes, reason) and, on a
-  Dask worker, an event under DEGRADATION_TOPIC that the driver counts into the step's
-  record.
+- `report`: every degradation is one warning line (role, what, sizes, reason) and an
+  event under DEGRADATION_TOPIC that the driver counts into the step's record.
+- `group_min` / `group_max` / `group_any`: what the ranks of a process group agree on, and
+  `GroupOutOfMemory`: what a sharded rank raises when it cannot back off by itself.
 
 torch and distributed are imported inside the functions: the resource planning that
 imports this package must not load them.
@@ -38,6 +39,24 @@ T = TypeVar("T")
 
 class OutOfMemoryAtOneRow(RuntimeError):
     """Even a single row does not fit: smaller micro-batches cannot help."""
+
+
+class GroupOutOfMemory(RuntimeError):
+    """One rank of a sharded (FSDP) group ran out of memory with micro-batches of `rows` rows.
+
+    The other ranks are waiting in the collectives it left, so the group cannot redo the
+    step by itself (as data-parallel ranks do): the driver frees them and redoes the update
+    with smaller micro-batches. Raised on the worker, caught on the driver (it travels
+    pickled, hence __reduce__).
+    """
+
+    def __init__(self, role: str, rows: int, what: str, detail: str):
+        super().__init__(f"{role}: out of memory under FSDP in the {what} with micro-batches of {rows} rows "
+                         f"({detail})")
+        self.role, self.rows, self.what, self.detail = role, rows, what, detail
+
+    def __reduce__(self):
+        return type(self), (self.role, self.rows, self.what, self.detail)
 
 
 @dataclass
@@ -136,15 +155,19 @@ def reported() -> list[Degradation]:
     return list(_REPORTED)
 
 
-def report(what: str, before: int, after: int, unit: str, cause: str, detail: str) -> Degradation:
-    """Log one degradation as one line and, on a Dask worker, publish it as an event."""
+def report(what: str, before: int, after: int, unit: str, cause: str, detail: str, *,
+           role: str | None = None, client: Any = None) -> Degradation:
+    """Log one degradation as one line and publish it as an event: from a Dask worker, or,
+    for a decision the driver takes about `role`, through the driver's `client`."""
     worker = _current_worker()
-    role = _role_of(worker)
-    degradation = Degradation(role, what, before, after, unit, cause, " ".join(str(detail).split())[:200])
+    degradation = Degradation(role or _role_of(worker), what, before, after, unit, cause,
+                              " ".join(str(detail).split())[:200])
     _REPORTED.append(degradation)
     logger.warning("dask-rl: degraded %s", degradation.line())
     if worker is not None:
         worker.log_event(DEGRADATION_TOPIC, {**asdict(degradation), "worker": str(worker.name)})
+    elif client is not None:
+        client.log_event(DEGRADATION_TOPIC, {**asdict(degradation), "worker": "driver"})
     return degradation
 
 
@@ -205,11 +228,17 @@ def in_chunks(fn: Callable[[slice], T], num_rows: int, rows: int, *, what: str, 
         rows = smaller
     return outputs, rows
 
+
 def group_min(value: int, device: Any = "cpu") -> int:
     """The smallest `value` over the ranks of the default process group, through one
     all_reduce; `value` itself where no group of several ranks is running. Every rank
     must call it (a collective)."""
     return _all_reduce(value, "MIN", device)
+
+
+def group_max(value: int, device: Any = "cpu") -> int:
+    """The largest `value` over the ranks (one all_reduce; every rank must call it)."""
+    return _all_reduce(value, "MAX", device)
 
 
 def group_any(flag: bool, device: Any = "cpu") -> bool:

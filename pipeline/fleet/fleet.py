@@ -38,7 +38,7 @@ from pipeline.roles.saved_state import Recovery, recovery_path
 from pipeline.roles.training import GroupInfo
 from resources.adaptive import Decision, RoleAdaptive
 from resources.cluster import RoleCluster
-from resources.allocator import DEGRADATION_TOPIC, Degradation
+from resources.allocator import DEGRADATION_TOPIC, Degradation, report
 from resources.config import ResourceConfig
 from resources.plan import plan_change, plan_workers
 
@@ -144,9 +144,11 @@ class Fleet:
         return members is not None and not set(members) <= set(self.addresses(role))
 
     def free_survivors(self, role: str) -> None:
-        """After a rank was lost: the group's other ranks may sit in a collective waiting for
-        it; a rank still busy after a short grace is restarted (it rebuilds from the saved
-        state like the replacement does)."""
+        """After a rank was lost or failed mid-collective: the group's other ranks may sit in a
+        collective waiting for it; a rank still busy after a short grace is restarted. The
+        role's next update runs on a new group generation, every rank rebuilt from the saved
+        state (see roles/saved_state.py)."""
+        self.groups.renew(role)
         survivors = [a for a in self.groups.members(role) or () if a in self.addresses(role)]
         restarted = self.cluster.unblock(survivors, grace=min(5.0, self.timeout), timeout=self.timeout)
         if restarted:
@@ -166,6 +168,11 @@ class Fleet:
                               f"losing one. Fix: add one with update_resource or `dask-rl worker ... --role {role}`.")
         if have < wanted:
             logger.warning("dask-rl: %s continues on %d of %d workers", role, have, wanted)
+
+    def degraded(self, role: str, what: str, before: int, after: int, unit: str, cause: str, detail: str) -> None:
+        """Report work of `role` that the driver made smaller (logged; counted by degradations())."""
+        report(what, before, after, unit, cause, detail, role=role, client=self.client)
+
     def degradations(self) -> list[Degradation]:
         """What the workers made smaller to fit GPU memory since the last call (halved
         micro-batches and chunks, smaller generation batches), oldest first. Read from the

@@ -29,6 +29,12 @@ class ProcessGroups:
         # role -> (members, strategy, generation, init_method)
         self._groups: dict[str, tuple[tuple[str, ...], str, int, str]] = {}
         self.restore_paths: dict[str, str] = {}   # role -> state the next generation starts from
+        self._broken: set[str] = set()              # roles whose group a rank left mid-collective
+
+    def renew(self, role: str) -> None:
+        """The role's group is broken (a rank left it mid-collective): the next ranks() call
+        starts a new generation, from the role's saved state, even with the same members."""
+        self._broken.add(role)
 
     def members(self, role: str) -> tuple[str, ...] | None:
         """The workers of the role's current group, in rank order."""
@@ -42,15 +48,16 @@ class ProcessGroups:
     def ranks(self, role: str, workers: list[str], *, strategy: str, backend: str, timeout_seconds: float,
               recovery: Recovery | None = None) -> list[GroupInfo]:
         """GroupInfo per rank of `workers`; a new generation when the membership or the
-        data-parallel strategy changed.
+        data-parallel strategy changed, or the group broke (renew).
 
-        A new generation starts from the state exported for it (a resize), or, when the
-        membership changed without one (a rank was lost), from what `recovery` points at.
+        A new generation starts from the state exported for it (a resize), or, without one
+        (a rank was lost, or the group broke), from what `recovery` points at.
         """
         members = tuple(workers)
         known = self._groups.get(role)
         restore, lost = None, None
-        if known is None or known[:2] != (members, strategy):
+        if known is None or known[:2] != (members, strategy) or role in self._broken:
+            self._broken.discard(role)
             generation = 0 if known is None else known[2] + 1
             host = live_workers(self.client)[members[0]]["host"]
             port = self.client.run(free_port, workers=[members[0]])[members[0]]

@@ -12,7 +12,7 @@ from distributed import get_worker
 from pipeline import weights
 from pipeline.algorithms import importance_weights, kl_loss, policy_loss
 from pipeline.metrics import sum_stats
-from pipeline.records import Experience, row_chunks
+from pipeline.records import Experience
 from pipeline.roles.forward import in_row_chunks, response_logprobs
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
@@ -72,11 +72,11 @@ class ActorRole:
         per_step = []
         for _ in range(step.epochs):
             for batch, prox, normalizer in zip(mini_batches, proximal, step.normalizers):
-                def split(size, batch=batch, prox=prox):
-                    return [(batch.select(r), None if prox is None else prox[r]) for r in row_chunks(len(batch), size)]
+                def take(rows, batch=batch, prox=prox):
+                    return batch.select(rows), None if prox is None else prox[rows]
 
                 loss = lambda model, c: self._loss(model, c, step, normalizer)  # noqa: E731
-                per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
+                per_step.append(self.trainer.optimizer_step(take, len(batch), loss, max_rows=step.micro_batch_size,
                                                             tokens_per_row=batch.input_ids.shape[1]))
         totals = sum_stats(per_step)
         if totals.get("refused_steps", 0) == len(per_step):  # no step applied: the published version stands
@@ -88,8 +88,14 @@ class ActorRole:
         return self.trainer.record(step.next_version, (totals, handle), step.recovery_path)
 
     def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
-        return in_row_chunks(response_logprobs, self.trainer.model.eval(), batch, step.micro_batch_size,
-                             self.device, step.temperature, what="proximal logprobs")
+        model = self.trainer.model.eval()
+        if not self.trainer.sharded:
+            return in_row_chunks(response_logprobs, model, batch, step.micro_batch_size, self.device,
+                                 step.temperature, what="proximal logprobs")
+        ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        return self.trainer.sharded_forward(
+            lambda rows: response_logprobs(model, ids[rows], mask[rows], batch.prompt_length, step.temperature).float(),
+            len(batch), step.micro_batch_size, what="proximal logprobs")
 
     def _loss(self, model, chunk, step: PolicyStep, normalizer: float):
         batch, proximal = chunk

@@ -8,7 +8,7 @@ import torch
 
 from pipeline.algorithms import value_loss
 from pipeline.metrics import sum_stats
-from pipeline.records import Experience, Rollout, row_chunks
+from pipeline.records import Experience, Rollout
 from pipeline.roles.forward import in_row_chunks, response_values
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
@@ -52,11 +52,9 @@ class CriticRole:
         per_step = []
         for _ in range(step.epochs):
             for batch, normalizer in zip(mini_batches, step.normalizers):
-                def split(size, batch=batch):
-                    return [batch.select(rows) for rows in row_chunks(len(batch), size)]
-
                 loss = lambda model, b: self._loss(model, b, step, normalizer)  # noqa: E731
-                per_step.append(self.trainer.optimizer_step(split, loss, max_rows=step.micro_batch_size,
+                per_step.append(self.trainer.optimizer_step(batch.select, len(batch), loss,
+                                                            max_rows=step.micro_batch_size,
                                                             tokens_per_row=batch.input_ids.shape[1]))
         return self.trainer.record(step.next_version, sum_stats(per_step), step.recovery_path)
 

@@ -69,7 +69,7 @@ def close_channels() -> int:
 
 def _actor_state() -> dict[str, torch.Tensor]:
     trainer = role_state("actor").trainer
-    if getattr(trainer, "_fsdp_active", False):
+    if trainer.sharded:
         raise NotImplementedError("weight broadcast from an FSDP actor is not supported (full_state_dict is a "
                                   "collective of all actor ranks); publish through weights.publish instead")
     state = trainer.full_state_dict()

@@ -20,8 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
+from pipeline.records import even_chunks
 from resources.allocator import (
-    OUT_OF_MEMORY, MicroBatchAllocator, first_line, free_bytes, group_any, group_min, release_cached, report,
+    OUT_OF_MEMORY, GroupOutOfMemory, MicroBatchAllocator, first_line, free_bytes, group_any, group_max, group_min,
+    release_cached, report,
 )
 
 logger = logging.getLogger("dask_rl")
@@ -154,17 +156,19 @@ class Trainable:
         return 1 if self.group is None else self.group.world_size
 
     # -- one optimizer step ----------------------------------------------------------------
-    def optimizer_step(self, split: Callable[[int], list[Any]],
+    def optimizer_step(self, take: Callable[[slice], Any], num_rows: int,
                        loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float]]], *,
                        max_rows: int, tokens_per_row: int) -> dict[str, float]:
-        """Accumulate gradients of `loss_fn` over the micro-batches `split(rows)`, reduce
-        across ranks, step.
+        """Accumulate gradients of `loss_fn` over micro-batches `take(rows)` of this rank's
+        `num_rows` rows, reduce across ranks, step.
 
-        `rows` starts at what free memory allows (at most `max_rows`), the smallest any rank
-        allows; an out-of-memory error on any rank halves it on every rank and the same step
-        is redone from zero gradients, so the result does not depend on it (under FSDP an
-        out-of-memory error is raised: see below). `loss_fn` must already divide by the global token count (see the
-        module docstring). Returns the summed stats of the micro-batches plus the gradient norm.
+        The micro-batch size starts at what free memory allows (at most `max_rows`), the
+        smallest any rank allows. An out-of-memory error on any rank halves it on every rank
+        and the same step is redone from zero gradients, so the result does not depend on
+        it; under FSDP the group cannot do that by itself and the failing rank raises
+        GroupOutOfMemory for the driver (see below). `loss_fn` must already divide by the
+        global token count (see the module docstring). Returns the summed stats of the
+        micro-batches plus the gradient norm.
         """
         # Eval mode, i.e. dropout off, while computing gradients: the proximal log-probs and
         # old values come from eval-mode forwards, so with dropout on, on-policy ratios would
@@ -183,18 +187,13 @@ class Trainable:
         while True:
             failure = None
             try:
-                totals = self._accumulate(split(rows), loss_fn, rows * tokens_per_row)
+                totals = self._accumulate([take(part) for part in self.micro_batches(num_rows, rows)], loss_fn,
+                                          rows * tokens_per_row)
             except torch.OutOfMemoryError as error:
-                if self._fsdp_active:
-                    # The other ranks are inside this micro-batch's all-gathers by now: a
-                    # collective from here would pair with theirs. Sizes were agreed from
-                    # measured memory before the step; this one did not fit after all.
-                    logger.error("dask-rl: out of memory under FSDP with %d rows per micro-batch; the group "
-                                 "cannot redo a step mid-collective. Fix: lower train.micro_batch_size or turn "
-                                 "on train.gradient_checkpointing", rows)
-                    raise
                 failure = first_line(error)
             # Outside the except block, whose traceback held the failed attempt's activations.
+            if failure is not None and self.sharded:
+                self._raise_group_out_of_memory("optimizer step", rows, failure, free, tokens_per_row)
             # Every rank learns whether any rank failed, and all redo the step together.
             failed = group_any(failure is not None, self.device) if self.world_size > 1 else failure is not None
             if not failed:
@@ -210,7 +209,7 @@ class Trainable:
                             "step with %d", rows, smaller)
             rows, free = smaller, self._free_bytes()
         self.micro_batch_rows = rows
-        if self.world_size > 1 and not self._fsdp_active:
+        if self.world_size > 1 and not self.sharded:
             self._all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -226,6 +225,45 @@ class Trainable:
         self.optimizer.zero_grad(set_to_none=True)
         return totals
 
+    def micro_batches(self, num_rows: int, rows: int) -> list[slice]:
+        """This rank's `num_rows` rows as near-equal slices of at most `rows` rows, as many
+        slices as on every other rank of the group (one collective).
+
+        Ranks may hold a row more or less than others (records.rank_shards), and an FSDP
+        rank gathers parameters with the whole group in every forward and backward: a rank
+        running one micro-batch fewer would leave the others waiting in a collective.
+        """
+        largest = group_max(num_rows, self.device) if self.world_size > 1 else num_rows
+        return even_chunks(num_rows, max(1, math.ceil(largest / rows)))
+
+    @torch.no_grad()
+    def sharded_forward(self, forward: Callable[[slice], torch.Tensor], num_rows: int, max_rows: int,
+                        what: str) -> torch.Tensor:
+        """`forward(rows)` over this rank's rows of a sharded model, at most `max_rows` rows at a
+        time and as many times as on every other rank, concatenated along rows.
+
+        No-grad forwards of a model that is not sharded halve their chunk on an out-of-memory
+        error by themselves (forward.in_row_chunks); a sharded rank cannot leave the group's
+        collectives to do that, so it raises GroupOutOfMemory like the optimizer step."""
+        failure = None
+        try:
+            return torch.cat([forward(part) for part in self.micro_batches(num_rows, max_rows)])
+        except torch.OutOfMemoryError as error:
+            failure = first_line(error)
+        self._raise_group_out_of_memory(what, max_rows, failure, None, 0)
+
+    def _raise_group_out_of_memory(self, what: str, rows: int, failure: str, free: int | None,
+                                   tokens_per_row: int) -> None:
+        # The other ranks are inside this micro-batch's collectives by now: any collective
+        # from here would pair with theirs. The driver frees them and redoes the update.
+        self.optimizer.zero_grad(set_to_none=True)
+        release_cached(self.device)
+        self.allocator.observe_out_of_memory(free, rows * tokens_per_row)
+        logger.warning("dask-rl: %s rank %d ran out of memory under FSDP in the %s with micro-batches of %d rows "
+                       "(%s); the driver redoes the update with smaller ones", self.role_name, self.group.rank,
+                       what, rows, failure)
+        raise GroupOutOfMemory(self.role_name, rows, what, failure)
+
     def _accumulate(self, micro_batches: list[Any], loss_fn, tokens_per_micro_batch: int) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
@@ -236,7 +274,7 @@ class Trainable:
                 baseline = torch.cuda.memory_allocated()
             loss, stats = loss_fn(self.model, batch)
             # FSDP averages gradients over ranks; scale so that it sums them like DDP here.
-            (loss * self.world_size if self._fsdp_active else loss).backward()
+            (loss * self.world_size if self.sharded else loss).backward()
             if measure:  # padded tokens: what activation memory scales with
                 self.allocator.observe(torch.cuda.max_memory_allocated() - baseline, tokens_per_micro_batch)
             for key, value in stats.items():
@@ -247,7 +285,8 @@ class Trainable:
         return free_bytes(self.device)
 
     @property
-    def _fsdp_active(self) -> bool:
+    def sharded(self) -> bool:
+        """Whether the model is sharded over several ranks (FSDP): every forward is collective."""
         return self.strategy == "fsdp" and self.world_size > 1
 
     def _all_reduce_grads(self) -> None:
@@ -265,7 +304,7 @@ class Trainable:
 
         Collective under FSDP: every rank must call it.
         """
-        if self._fsdp_active:
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -307,7 +346,7 @@ class Trainable:
 
         Without FSDP the live model is written as it is, so tied tensors stay tied; a
         sharded model is first gathered into an unsharded copy built like the original."""
-        if not self._fsdp_active:
+        if not self.sharded:
             if self.group is not None and self.group.rank != 0:
                 return None
             save(self.model, path)

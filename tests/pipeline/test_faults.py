@@ -9,6 +9,7 @@ These tests kill workers, so they get their own cluster.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -148,3 +149,64 @@ def test_a_worker_killed_at_a_random_moment_costs_no_step(fault_cluster, tiny_mo
     assert pid not in _pids(fault_cluster, role), f"seed {seed}: the worker was not killed"
     measured(f"fault drill: {role} worker killed {delay:.1f}s into a 10-step PPO run (seed {seed}): "
              f"10 consecutive versions in {seconds:.1f}s")
+
+
+def oom_on_rank_one(recipe, limit: int):
+    """Recipe: the trainer's own actor, whose model runs out of memory (a real
+    torch.OutOfMemoryError from its forward) above `limit` rows, on rank 1 only; models the
+    group rebuilds later get the same hook."""
+    import torch.distributed as dist
+
+    def check(module, args, kwargs):
+        rows = (args[0] if args else kwargs["input"]).shape[0]
+        if dist.is_initialized() and dist.get_rank() == 1 and rows > limit:
+            raise torch.OutOfMemoryError(f"test model: {rows} rows > {limit} on rank 1")
+
+    role = recipe()
+    build = role.trainer.build_model
+
+    def hooked():
+        model = build()
+        model.get_input_embeddings().register_forward_pre_hook(check, with_kwargs=True)
+        return model
+
+    role.trainer.build_model = hooked
+    role.trainer.model.get_input_embeddings().register_forward_pre_hook(check, with_kwargs=True)
+    return role
+
+
+@pytest.mark.slow  # a worker restart and three steps on its own cluster
+def test_an_out_of_memory_error_on_one_fsdp_rank_halves_its_micro_batches_and_changes_nothing(
+        fault_cluster, tiny_model, prompts):
+    import cloudpickle
+    import sys
+
+    from pipeline.recipes import role_recipes
+    from pipeline.roles.host import RoleHost, plugin_name, role_state
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the recipe runs on the workers
+    trainers = []
+
+    def inject(trainer):   # 8 rows a step, 4 per rank: rank 1 fails with its micro-batch of 4
+        trainers.append(trainer)
+        recipe = role_recipes(trainer.train_config, trainer.resources, trainer.roles, trainer.actor_dir,
+                              trainer.output_dir, reward_model=digit_fraction, critic_model=None,
+                              reference_model=None, snapshot_dir=trainer.fleet.snapshot_dir)["actor"]
+        trainer.fleet.client.register_plugin(RoleHost("actor", functools.partial(oom_on_rank_one, recipe, 2),
+                                                      torch_threads=1), name=plugin_name("actor"))
+
+    records, final, _ = _train(fault_cluster, tiny_model, prompts, steps=3, fault=inject, strategy="fsdp")
+    # Each update once, and the weights of a run that never hit the error: one whose actor
+    # used the size this run settled at from the start (the failed attempt left no trace).
+    settled = _train(fault_cluster, tiny_model, prompts, steps=3, strategy="fsdp",
+                     fault=lambda trainer: trainer.update.micro_batch_caps.update(actor=2))
+    _assert_same_run(records, final, settled)
+    assert [r.oom_backoffs for r in settled[0]] == [0, 0, 0]
+    assert [r.oom_backoffs for r in records] == [1, 0, 0]   # later steps keep the smaller size
+    assert records[0].degradations == [
+        "actor: optimizer step: 4 -> 2 rows per micro-batch (out of memory: test model: 4 rows > 2 on rank 1; "
+        "the update is redone, the smaller size kept for the run)"]
+    assert trainers[0].update.micro_batch_caps == {"actor": 2}
+    used = [submit(fault_cluster.client, "actor", lambda: role_state("actor").trainer.micro_batch_rows,
+                   workers=[w["address"]]).result() for w in fault_cluster.workers_of("actor")]
+    assert used == [2, 2]

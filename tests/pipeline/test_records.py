@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.records import Rollout, join_shards, rank_shards, row_chunks
+from pipeline.records import Rollout, even_chunks, join_shards, rank_shards, row_chunks
 
 
 def _shard(prompts: list[list[int]], responses: list[list[int]], prompt_length: int, response_length: int,
@@ -51,6 +51,21 @@ def test_rank_shards_keep_each_mini_batch_the_same_rows_whatever_the_world_size(
     two = rank_shards(6, 2, 2)
     assert [b.tolist() for b in one[0]] == [[0, 1, 2], [3, 4, 5]]
     assert [[b.tolist() for b in rank] for rank in two] == [[[0, 1], [3, 4]], [[2], [5]]]
+
+
+def test_rank_shards_refuse_a_rank_without_rows():
+    # 7 rows in 2 mini-batches of 4 and 3 rows: 4 ranks would leave rank 3 nothing of the second.
+    with pytest.raises(ValueError, match=r"actor: mini-batch 1 has 3 rows for 4 ranks.*train.prompts_per_step.*"
+                                         r"train.mini_batches.*actor role fewer workers"):
+        rank_shards(7, 4, 2, "actor")
+    assert [[b.tolist() for b in rank] for rank in rank_shards(7, 3, 2)] == [[[0, 1], [4]], [[2], [5]], [[3], [6]]]
+
+
+def test_even_chunks():
+    assert even_chunks(3, 2) == [slice(0, 2), slice(2, 3)]   # 3 rows, as many chunks as a 2-chunk rank
+    assert even_chunks(2, 2) == [slice(0, 1), slice(1, 2)]
+    assert even_chunks(10, 3) == [slice(0, 4), slice(4, 7), slice(7, 10)]
+    assert even_chunks(4, 1) == [slice(0, 4)]
 
 
 def test_row_chunks():

@@ -14,7 +14,6 @@ import torch
 
 from pipeline.fleet.groups import free_port
 from pipeline.fleet.tasks import submit
-from pipeline.records import row_chunks
 from pipeline.roles.training import GroupInfo, Trainable
 from resources import allocator
 from resources.allocator import MicroBatchAllocator, OutOfMemoryAtOneRow, in_chunks
@@ -68,8 +67,8 @@ def _loss(model, batch, *, total_rows, limit=None):
 def _step(inputs, max_rows, limit=None):
     torch.manual_seed(0)
     trainable = Trainable(lambda: torch.nn.Linear(4, 3), lr=0.1, strategy="none", device="cpu")
-    split = lambda size: [inputs[r] for r in row_chunks(len(inputs), size)]  # noqa: E731
-    stats = trainable.optimizer_step(split, functools.partial(_loss, total_rows=len(inputs), limit=limit),
+    stats = trainable.optimizer_step(inputs.__getitem__, len(inputs),
+                                     functools.partial(_loss, total_rows=len(inputs), limit=limit),
                                      max_rows=max_rows, tokens_per_row=1)
     return trainable, stats
 
@@ -139,9 +138,9 @@ def _rank_step(rank: int, group: GroupInfo, inputs: torch.Tensor, max_rows: int,
     trainable = Trainable(lambda: torch.nn.Linear(4, 3), lr=0.1, strategy="ddp", device="cpu")
     try:
         trainable.join(group)
-        split = lambda size: [inputs[r] for r in row_chunks(len(inputs), size)]  # noqa: E731
         seen = len(allocator.reported())
-        stats = trainable.optimizer_step(split, functools.partial(_loss, total_rows=total_rows, limit=limit),
+        stats = trainable.optimizer_step(inputs.__getitem__, len(inputs),
+                                         functools.partial(_loss, total_rows=total_rows, limit=limit),
                                          max_rows=max_rows, tokens_per_row=1)
         return {"rows": trainable.micro_batch_rows, "stats": stats,
                 "params": [p.detach().clone() for p in trainable.model.parameters()],

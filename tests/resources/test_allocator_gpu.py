@@ -90,8 +90,8 @@ def _step(initial: dict, ids, mask, max_rows: int):
         total = -(logp * response[rows].cuda()).sum() / normalizer
         return total, {"loss": float(total.detach())}
 
-    split = lambda size: list(row_chunks(ROWS, size))  # noqa: E731
-    return trainable, lambda: _timed(lambda: trainable.optimizer_step(split, loss, max_rows=max_rows,
+    return trainable, lambda: _timed(lambda: trainable.optimizer_step(lambda rows: rows, ROWS, loss,
+                                                                       max_rows=max_rows,
                                                                        tokens_per_row=PROMPT + RESPONSE))
 
 
