@@ -152,7 +152,8 @@ class Fleet:
         survivors = [a for a in self.groups.members(role) or () if a in self.addresses(role)]
         restarted = self.cluster.unblock(survivors, grace=min(5.0, self.timeout), timeout=self.timeout)
         if restarted:
-            logger.warning("dask-rl: %s ranks %s were stuck in a collective the failed rank left; restarted them", role, restarted)
+            logger.warning("dask-rl: %s ranks %s were stuck in a collective the failed rank left; restarted them",
+                           role, restarted)
 
     def await_replacements(self, role: str) -> None:
         """After a lost rank: wait (bounded by the timeout) until the role has as many workers

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
 from pipeline.records import even_chunks
+from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
 from resources.allocator import (
     OUT_OF_MEMORY, GroupOutOfMemory, MicroBatchAllocator, first_line, free_bytes, group_any, group_max, group_min,
     release_cached, report,
