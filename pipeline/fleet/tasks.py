@@ -39,6 +39,7 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
     futures = list(futures)
     deadline = time.monotonic() + timeout
     warned = False
+    fetch_seconds = 5.0
     while True:
         pending = [f for f in futures if f.status == "pending"]
         failed = [f for f in futures if f.status == "error"]
@@ -46,7 +47,19 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
             client.cancel(pending)
             failed[0].result()
         if not pending:
-            return client.gather(futures)
+            # Not client.gather: when the worker holding a result dies before it is fetched,
+            # Dask reschedules the task, and a task pinned to that worker would make gather
+            # wait forever. A bounded fetch notices it (the task is pending again) and goes
+            # back to the checks above; a merely slow transfer gets a longer bound next time.
+            try:
+                return [f.result(timeout=fetch_seconds) for f in futures]
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise RoleTimeout(f"{role}: waited {timeout:.0f}s (timeout_seconds) for {what}; its results "
+                                      f"could not be fetched. Fix: check the {role} workers' logs on the "
+                                      f"dashboard or raise timeout_seconds.") from None
+                fetch_seconds *= 2
+                continue
         if pinned:
             _raise_if_pinned_worker_gone(client, pending, pinned, role, what)
         remaining = deadline - time.monotonic()
