@@ -153,12 +153,12 @@ class RLMonitor(SchedulerPlugin):
                 continue
             metrics, extra = ws.metrics or {}, ws.extra or {}
             devices = self.devices.get(address, {}).get("devices") or "cpu"
-            # Dask's NVML figures are of the first visible GPU, which a CPU role worker on a
-            # GPU host sees too: they are not its memory, so it shows none.
-            gpu = metrics.get("gpu") if isinstance(metrics.get("gpu"), dict) and devices != "cpu" else {}
-            used = metrics.get("gpu_memory_used", gpu.get("memory-used")) if devices != "cpu" else None
-            total = (metrics.get("gpu-memory-total") or (extra.get("gpu") or {}).get("memory-total")
-                     if devices != "cpu" else None)
+            used = total = None
+            if devices != "cpu":  # Dask's NVML figures are of the first visible GPU, which a CPU
+                # role worker on a GPU host sees too: not its memory, so it shows none
+                gpu = metrics.get("gpu") if isinstance(metrics.get("gpu"), dict) else {}
+                used = metrics.get("gpu_memory_used", gpu.get("memory-used"))
+                total = metrics.get("gpu-memory-total") or (extra.get("gpu") or {}).get("memory-total")
             rows.append({
                 "role": role, "name": str(ws.name), "address": address, "host": ws.host, "devices": devices,
                 "gpu_memory_used": used, "gpu_memory_total": total, "memory": ws.memory.process,

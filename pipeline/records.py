@@ -171,11 +171,6 @@ def rank_shards(num_rows: int, world_size: int, mini_batches: int, role: str = "
     return [[block.tensor_split(world_size)[rank] for block in blocks] for rank in range(world_size)]
 
 
-def row_chunks(num_rows: int, chunk_size: int) -> list[slice]:
-    """Consecutive row slices of at most `chunk_size` rows (micro-batches)."""
-    return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
-
-
 def even_chunks(num_rows: int, count: int) -> list[slice]:
     """`count` consecutive row slices whose sizes differ by at most one (the first are the
     longer ones), covering rows 0..num_rows-1 in order."""

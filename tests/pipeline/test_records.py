@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.records import Rollout, even_chunks, join_shards, rank_shards, row_chunks
+from pipeline.records import Rollout, even_chunks, join_shards, rank_shards
 
 
 def _shard(prompts: list[list[int]], responses: list[list[int]], prompt_length: int, response_length: int,
@@ -68,6 +68,3 @@ def test_even_chunks():
     assert even_chunks(4, 1) == [slice(0, 4)]
 
 
-def test_row_chunks():
-    assert row_chunks(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
-    assert row_chunks(0, 3) == []

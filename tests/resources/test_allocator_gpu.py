@@ -17,7 +17,7 @@ import torch
 
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
-from pipeline.records import GenerationRequest, row_chunks
+from pipeline.records import GenerationRequest, even_chunks
 from pipeline.roles.forward import in_row_chunks, response_logprobs
 from pipeline.roles.training import Trainable
 from resources import allocator
@@ -236,7 +236,7 @@ def test_hf_engine_scoring_survives_a_real_out_of_memory(measured):
     torch.cuda.set_per_process_memory_fraction(1.0)
     with torch.no_grad():
         actor = torch.cat([response_logprobs(model, rollout.input_ids[r].cuda(), rollout.attention_mask[r].cuda(),
-                                             rollout.prompt_length, 1.0).cpu() for r in row_chunks(32, 4)])
+                                             rollout.prompt_length, 1.0).cpu() for r in even_chunks(32, 8)])
     difference = float(((rollout.behavior_logprobs - actor) * rollout.response_mask).abs().max())
     total = torch.cuda.get_device_properties(0).total_memory
     for line in [f"hf engine: cap {fraction * total / GiB:.2f} GiB; 32 sequences in {seconds:.1f} s; "
