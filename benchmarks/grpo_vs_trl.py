@@ -51,14 +51,20 @@ class GpuMemory:
         pynvml.nvmlInit()
         self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
         self.peak, self._stop = 0, threading.Event()
+        self.at_peak: dict[int, int] = {}       # pid -> bytes when the sum peaked
+        self.process_peaks: dict[int, int] = {}  # pid -> its own peak
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def used(self) -> int:
-        return sum(p.usedGpuMemory or 0 for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle))
+    def used(self) -> dict[int, int]:
+        return {p.pid: p.usedGpuMemory or 0 for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)}
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, self.used())
+            used = self.used()
+            for pid, nbytes in used.items():
+                self.process_peaks[pid] = max(nbytes, self.process_peaks.get(pid, 0))
+            if sum(used.values()) > self.peak:
+                self.peak, self.at_peak = sum(used.values()), used
 
     def __enter__(self) -> GpuMemory:
         self._thread.start()
@@ -85,7 +91,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
         "comm_backend": "nccl", "timeout_seconds": 600})
     seconds, tokens, phases = [], [], []
     with GpuMemory() as memory:
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
                                 samples_per_prompt=SAMPLES, prompts_per_step=args.prompts_per_step,
                                 max_new_tokens=NEW_TOKENS, kl_coef=0.0, max_staleness=1, dtype="bfloat16",
@@ -101,13 +107,66 @@ def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
             print(f"dask-rl step {record.step}: {record.seconds:.2f} s, {record.tokens} tokens, "
                   + ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items()), flush=True)
 
+        client = trainer.fleet.client
+        boot = worker_start_times(client, start_wall)
+        print("dask-rl: worker processes up (after their imports) at "
+              + ", ".join(f"{name} {t:.1f} s" for name, t in sorted(boot.items())), flush=True)
+        if args.logit_chunk:
+            client.run(set_logit_chunk, args.logit_chunk)
         try:
             trainer.train(args.dask_steps, on_step=on_step)
+            roles = {w["address"]: role for role in ("actor", "rollout") for w in trainer.fleet.cluster.workers_of(role)}
+            torch_memory = {roles.get(address, address): stats for address, stats in
+                            client.run(torch_gpu_memory).items() if stats}
         finally:
             trainer.close()
     result = steady(seconds, tokens, args.warmup)
+    pids = {stats["pid"]: role for role, stats in torch_memory.items()}
+    for role, stats in sorted(torch_memory.items()):
+        print(f"dask-rl {role}: torch peak allocated {stats['max_allocated'] / 2**30:.2f} GiB, peak reserved "
+              f"{stats['max_reserved'] / 2**30:.2f} GiB; NVML process peak "
+              f"{memory.process_peaks.get(stats['pid'], 0) / 2**30:.2f} GiB, at the summed peak "
+              f"{memory.at_peak.get(stats['pid'], 0) / 2**30:.2f} GiB", flush=True)
+    others = {pid: b for pid, b in memory.at_peak.items() if pid not in pids}
+    if others:
+        print(f"dask-rl: other processes at the summed peak: {sum(others.values()) / 2**30:.2f} GiB", flush=True)
     return {**result, "peak_gib": memory.peak / 2**30, "start_seconds": started,
-            "first_step_seconds": seconds[0]}
+            "first_step_seconds": seconds[0], "boot_seconds": boot,
+            "at_peak_gib": {pids.get(pid, str(pid)): b / 2**30 for pid, b in memory.at_peak.items()},
+            "torch_memory": torch_memory}
+
+
+def worker_start_times(client, since: float) -> dict[str, float]:
+    """Seconds from `since` (wall clock) to each worker's "Start worker" log line."""
+    import datetime
+
+    out = {}
+    for address, lines in client.get_worker_logs().items():
+        name, stamp = address, None
+        for _, line in lines:
+            if "Worker name:" in line:
+                name = line.rsplit(" ", 1)[-1]
+            if "Start worker at" in line:
+                stamp = datetime.datetime.strptime(line.split(" - ")[0], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if stamp is not None:
+            out[name] = stamp - since
+    return out
+
+
+def set_logit_chunk(tokens: int) -> None:
+    from pipeline.roles import forward
+
+    forward.LOGIT_CHUNK_TOKENS = tokens
+
+
+def torch_gpu_memory() -> dict | None:
+    """This worker's torch allocator figures, if it used the GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return {"pid": os.getpid(), "max_allocated": torch.cuda.max_memory_allocated(),
+            "max_reserved": torch.cuda.max_memory_reserved(), "reserved": torch.cuda.memory_reserved()}
 
 
 def run_trl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
@@ -157,6 +216,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="dask-rl steps left out (compile, pipeline fill)")
     parser.add_argument("--warmup-trl", type=int, default=1)
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--logit-chunk", type=int, default=0,
+                        help="response tokens the actor projects onto the vocabulary at once (0: the default)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     parser.add_argument("--work-dir", default=tempfile.mkdtemp(prefix="grpo-vs-trl-"))
     parser.add_argument("--json", help="also write the figures to this file")

@@ -106,7 +106,8 @@ class RunOutputs:
         if found is None:
             return 0
         path, state = found
-        states.restore_states(fleet, self.roles, path, state["policy_version"], self.train_config.max_staleness + 2)
+        states.restore_states(fleet, self.roles, path, state["policy_version"],
+                              self.train_config.published_versions)
         checkpoint.restore_rng(path)
         batches.resume_from(state["next_batch"], state["prompt_position"])
         for name in ("metrics.jsonl", "samples.jsonl"):

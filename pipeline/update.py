@@ -86,8 +86,7 @@ class PolicyUpdate:
             temperature=tc.temperature, micro_batch_size=self._micro_batch_size("actor"), epochs=tc.ppo_epochs,
             is_cap=tc.is_cap, normalizers=normalizers, next_version=self.fleet.version + 1,
             snapshot_dir=fleet.snapshot_dir, transport=fleet.publish_transport(),
-            # A batch submitted at version v may start generating after v+N is out: keep v.
-            keep_versions=tc.max_staleness + 2, recovery_path=self._recovery_path("actor"))
+            keep_versions=tc.published_versions, recovery_path=self._recovery_path("actor"))
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
         if "critic" in self.roles:
             critic_step = critic.CriticStep(clip_range=tc.value_clip,

@@ -67,10 +67,9 @@ def default_snapshot_dir(run_id: str) -> Path:
 
 def publish(state: dict[str, torch.Tensor], version: int, directory: str | os.PathLike,
             keep: int = 3, transport: str = "shm") -> WeightHandle:
-    """Publish `state` as version `version`; keep the last `keep` versions readable.
-
-    Old versions are kept a little while: a rollout worker may still be loading one.
-    """
+    """Publish `state` as version `version`; keep the last `keep` versions readable (this
+    one included): a rollout worker may still be loading one of them. An older version is
+    gone, its memory reused."""
     if transport == "cuda_ipc":
         return _publish_cuda_ipc(state, version, keep)
     if transport not in TRANSPORTS:
@@ -213,9 +212,14 @@ def _buckets(layout: Layout, limit: float = BUCKET_BYTES) -> list[tuple[torch.dt
     return buckets
 
 
-def _pack(state, layout: Layout, indices: list[int], device) -> torch.Tensor:
-    """One new flat tensor holding the entries `indices` (a copy: later updates don't show)."""
-    return torch.cat([state[layout[i][0]].detach().reshape(-1).to(device) for i in indices])
+def _pack(state, layout: Layout, indices: list[int], device, into: torch.Tensor | None = None) -> torch.Tensor:
+    """One flat tensor holding the entries `indices` (a copy: later updates don't show),
+    written into `into` where that has the right dtype and size, else new."""
+    parts = [state[layout[i][0]].detach().reshape(-1).to(device) for i in indices]
+    numel = sum(p.numel() for p in parts)
+    if into is not None and into.numel() == numel and into.dtype == parts[0].dtype and into.device == parts[0].device:
+        return torch.cat(parts, out=into)
+    return torch.cat(parts)
 
 
 def _unpack(flat: torch.Tensor, layout: Layout, indices: list[int], out: dict[str, torch.Tensor]) -> None:
@@ -249,11 +253,19 @@ def _publish_cuda_ipc(state, version: int, keep: int) -> WeightHandle:
     devices = {t.device for t in state.values() if t.is_cuda}
     device = devices.pop() if len(devices) == 1 else torch.device("cuda", torch.cuda.current_device())
     layout = tensor_layout(state)
-    buffers = [_pack(state, layout, indices, device) for _, indices in _buckets(layout, math.inf)]
+    # The oldest versions leave before the new one is written, and the last of them lends
+    # it its buffers: the actor's GPU holds `keep` copies of the weights, never keep + 1,
+    # and the same memory serves every version (no fresh 1 GB block each step to fragment
+    # the memory the training step uses). Nobody reads the oldest any more (see `keep`).
+    recycled: list[torch.Tensor] = []
+    while _PUBLISHED and len(_PUBLISHED) >= keep:
+        recycled = _PUBLISHED.pop(min(_PUBLISHED))
+    buckets = _buckets(layout, math.inf)
+    buffers = [_pack(state, layout, indices, device, recycled[k] if k < len(recycled) else None)
+               for k, (_, indices) in enumerate(buckets)]
+    del recycled
     torch.cuda.synchronize(device)   # readers on other streams see complete buffers
     _PUBLISHED[version] = buffers
-    for old in sorted(_PUBLISHED)[:-keep]:
-        del _PUBLISHED[old]
     ipc = (tuple(layout), tuple(reduce_tensor(b) for b in buffers))
     return WeightHandle(version=version, path="", host=socket.gethostname(),
                         nbytes=sum(b.numel() * b.element_size() for b in buffers), transport="cuda_ipc",

@@ -220,6 +220,51 @@ def test_cuda_ipc_is_bit_exact_in_another_process():
     assert result["tied"] and result["device"].startswith("cuda")
 
 
+_IPC_READER = """
+# One long-lived reader, like a rollout worker: a pickled handle per line of stdin (hex),
+# one line of digests back for each, its cloned tensors kept so the mappings stay open.
+kept = []
+for line in sys.stdin:
+    state = {n: t.clone() for n, t in weights.receive(pickle.loads(bytes.fromhex(line.strip()))).items()}
+    kept.append(state)
+    print(json.dumps(_digests(state)), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_keeps_keep_versions_in_reused_memory_and_each_reads_exactly():
+    """Versions 1..5 with keep=2: the GPU holds two copies at any time, version 3 is written
+    into version 1's memory (and so on), and a reader that opened the earlier ones reads each
+    new version bit for bit: the mapping it already holds shows the new bytes."""
+    import json
+
+    weights._PUBLISHED.clear()   # what an earlier test published in this process
+    reader = subprocess.Popen([sys.executable, "-c", _child(_IPC_READER)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pointers, allocated = {}, []
+    try:
+        for version in range(1, 6):
+            state = {name: t.cuda() for name, t in _state(version).items()}
+            state["lm_head.weight"] = state["embed.weight"]
+            handle = weights.publish(state, version, "", keep=2, transport="cuda_ipc")
+            del state
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+            pointers[version] = [b.data_ptr() for b in weights._PUBLISHED[version]]
+            assert sorted(weights._PUBLISHED) == [max(1, version - 1), version][-min(version, 2):]
+            reader.stdin.write(pickle.dumps(handle).hex() + "\n")
+            reader.stdin.flush()
+            got = json.loads(reader.stdout.readline())
+            assert got == json.loads(json.dumps(_digests(_state(version)))), f"version {version}"
+        assert pointers[3] == pointers[1] and pointers[4] == pointers[2] and pointers[5] == pointers[1]
+        assert allocated[1] == allocated[2] == allocated[3] == allocated[4]   # two copies, never three
+    finally:
+        reader.stdin.close()
+        assert reader.wait(timeout=120) == 0, reader.stderr.read()[-3000:]
+        weights._PUBLISHED.clear()
+
+
 _NCCL_CHILD = """
 rank = int(sys.argv[1])
 channel = weights.BroadcastChannel(sys.argv[2], rank, 2, "nccl", 60)
