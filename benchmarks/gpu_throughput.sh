@@ -21,6 +21,6 @@ for p in ${PARTS:-grpo8 engines gputests grpo32}; do
         grpo32) part grpo32 240 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps 6 --trl-steps 3 \
                    --json "$OUT/grpo32.json" ;;
         engines) part engines 270 python3 benchmarks/rollout_engines.py --batches 64 256 --repeats 2 ;;
-        gputests) part gputests 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pipeline/test_engines_gpu.py tests/pipeline/test_weights.py -s ;;
+        gputests) part gputests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pipeline/test_engines_gpu.py tests/pipeline/test_weights.py -s ;;
     esac
 done

@@ -13,9 +13,12 @@ from resources.allocator import free_bytes, in_chunks
 
 
 # Response tokens projected onto the vocabulary at once. A (tokens, V) float32 block is what
-# the loss holds per chunk: 1024 x 152k (Qwen2's vocabulary) is 0.6 GB, where a whole
-# 16 x 256-token micro-batch at once would be 2.5 GB, plus as much again for its gradient.
-LOGIT_CHUNK_TOKENS = 1024
+# the loss holds per chunk, several times over in its backward pass (the bf16 logits, their
+# float32 copy, the exponentials, the gradients): 512 x 152k (Qwen2's vocabulary) is 0.3 GB
+# a block, where a whole 16 x 256-token micro-batch at once would be 2.5 GB. On an H200 with
+# the 0.5B model, 512 instead of 1024 took the actor's peak from 10.3 to 8.5 GiB at the same
+# step time (benchmarks/gpu_memory_variants.sh).
+LOGIT_CHUNK_TOKENS = 512
 
 # model -> (rows per chunk that fitted after an out-of-memory error, free bytes then).
 _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
