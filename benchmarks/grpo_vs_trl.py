@@ -82,6 +82,7 @@ def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, fl
 
 def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
     from pipeline import HybridTrainer
+    from pipeline.roles.host import load_seconds
     from resources import load_resource_config
 
     gpu = {"device_type": "cuda", "device_ids": [0]}
@@ -111,6 +112,9 @@ def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
         boot = worker_start_times(client, start_wall)
         print("dask-rl: worker processes up (after their imports) at "
               + ", ".join(f"{name} {t:.1f} s" for name, t in sorted(boot.items())), flush=True)
+        loads = {role: seconds for roles in client.run(load_seconds).values() for role, seconds in roles.items()}
+        print("dask-rl: roles built (imports, model, engine) in "
+              + ", ".join(f"{role} {t:.1f} s" for role, t in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
         try:
@@ -131,7 +135,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
     if others:
         print(f"dask-rl: other processes at the summed peak: {sum(others.values()) / 2**30:.2f} GiB", flush=True)
     return {**result, "peak_gib": memory.peak / 2**30, "start_seconds": started,
-            "first_step_seconds": seconds[0], "boot_seconds": boot,
+            "first_step_seconds": seconds[0], "boot_seconds": boot, "load_seconds": loads,
             "at_peak_gib": {pids.get(pid, str(pid)): b / 2**30 for pid, b in memory.at_peak.items()},
             "torch_memory": torch_memory}
 

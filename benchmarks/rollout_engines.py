@@ -68,6 +68,7 @@ def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None
 
 
 def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:
+    model.set_attn_implementation("sdpa")   # transformers' own attention, as `generate` users get it
     ids = torch.tensor(request(batch, prompt, new).prompt_ids, device="cuda")
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                   top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,

@@ -5,7 +5,9 @@ Why not `model.generate`: it keeps (or would have to keep) every step's full-voc
 logits to return logprobs, and even with transformers' compiled static cache it spends most
 of a decode step launching kernels from Python. Here:
 
-- the KV cache is a transformers StaticCache allocated once per (batch, length) bucket;
+- the KV cache is a transformers StaticCache allocated once per (batch, length) bucket,
+  and a decode step reads it as stored: grouped-query heads are packed onto the cache's
+  KV heads instead of copying it once per query head (gqa_decode.py);
 - each decode step (the model's forward for one token, temperature / top-k / top-p
   sampling and the sampled token's logprob) is one function compiled by torch.compile in
   "reduce-overhead" mode, which captures it as a CUDA graph and replays it;
@@ -30,6 +32,7 @@ import math
 import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, kv_bytes_per_token, power_of_two_below, sequence_bytes
+from pipeline.engines.gqa_decode import use_packed_gqa
 from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts
 from pipeline.records import GenerationRequest, Rollout
 from resources.allocator import LOW_FREE_MEMORY, free_bytes, in_chunks, release_cached, report
@@ -81,7 +84,9 @@ class CudaGraphEngine:
     """Samples with a CUDA-graph decode loop; the same interface as HFEngine.
 
     Args:
-        model: a transformers causal LM already on its device (bf16 on GPUs).
+        model: a transformers causal LM already on its device (bf16 on GPUs). The engine
+            owns it from here: its attention switches to gqa_decode's packed form (SDPA
+            models; the same results, one read of the KV cache per decode step).
         max_batch_size: rows decoded together at most; a larger request runs in chunks.
             Before every request the batch is lowered to what the GPU's free memory holds
             (KV cache at full length plus sampling workspace), and an out-of-memory error
@@ -94,6 +99,7 @@ class CudaGraphEngine:
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
                  prompt_bucket: int = 64, top_k: int = 0, top_p: float = 1.0, compile: bool | None = None):
         self.model = model.eval()
+        use_packed_gqa(model)
         self.pad_id, self.eos_id, self.device = pad_id, eos_id, device
         self.max_batch_size = bucket_batch(max_batch_size)
         self.prompt_bucket = prompt_bucket

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable
 
 from distributed import get_worker
@@ -37,6 +38,7 @@ class RoleHost(WorkerPlugin):
         self.state: Any = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
+        self.load_seconds: float | None = None   # how long setup took to build the role (reports)
 
     def __getstate__(self):
         # Events and loaded models stay on their worker; only the recipe travels.
@@ -50,12 +52,14 @@ class RoleHost(WorkerPlugin):
             return
         # Load off the event loop so heartbeats keep flowing while a large model loads;
         # the worker takes no task before every plugin's setup has returned.
+        start = time.perf_counter()
         try:
             self.state = await asyncio.to_thread(self._build)
         except BaseException as error:  # reported by the first task rather than killing the worker
             logger.exception("dask-rl: %s worker %s failed to load its model", self.role, worker.name)
             self.error = error
         finally:
+            self.load_seconds = time.perf_counter() - start
             self.ready.set()
         events.announce_worker(worker, self.role)  # the RL page's worker table: role and devices
 
@@ -71,6 +75,12 @@ class RoleHost(WorkerPlugin):
         if callable(close):
             close()
         self.state = None
+
+
+def load_seconds(dask_worker=None) -> dict[str, float]:
+    """For `client.run`: role -> seconds this worker took to build it (imports, model, engine)."""
+    return {plugin.role: plugin.load_seconds for plugin in dask_worker.plugins.values()
+            if isinstance(plugin, RoleHost) and plugin.load_seconds is not None}
 
 
 def resolve_device(device: str = "auto") -> str:

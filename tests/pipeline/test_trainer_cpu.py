@@ -9,7 +9,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from pipeline.records import GenerationRequest
 from pipeline.rewards import digit_fraction
 from pipeline.roles import rollout
-from pipeline.roles.host import worker_identity
+from pipeline.roles.host import load_seconds, worker_identity
 from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
 
@@ -142,6 +142,10 @@ def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engin
     assert "reference" not in roles_run and {"rollout", "reward", "actor"} <= roles_run
     engines = shared_cluster.client.run(_engine_name, workers=[w["address"] for w in shared_cluster.workers_of("rollout")])
     assert set(engines.values()) == {"CudaGraphEngine"}
+    # Each worker says how long building its role took (the GPU benchmark prints it).
+    built = {role: seconds for roles in shared_cluster.client.run(load_seconds).values()
+             for role, seconds in roles.items()}
+    assert {"rollout", "reward", "actor"} <= set(built) and all(0 < s < 600 for s in built.values())
 
 
 def _engine_name(dask_worker=None):
