@@ -80,9 +80,9 @@ def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, fl
     return {"step_seconds": statistics.median(s), "tokens_per_second": sum(t) / sum(s)}
 
 
-def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
+def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch: int) -> dict[str, float]:
     from pipeline import HybridTrainer
-    from pipeline.roles.host import load_seconds
+    from pipeline.roles.host import load_times
     from resources import load_resource_config
 
     gpu = {"device_type": "cuda", "device_ids": [0]}
@@ -96,8 +96,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
         trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
                                 samples_per_prompt=SAMPLES, prompts_per_step=args.prompts_per_step,
                                 max_new_tokens=NEW_TOKENS, kl_coef=0.0, max_staleness=1, dtype="bfloat16",
-                                micro_batch_size=MICRO_BATCH, actor_lr=1e-6, temperature=1.0,
-                                show_progress=False, dashboard_address=":0", output_dir=args.work_dir + "/dask-rl")
+                                micro_batch_size=micro_batch, actor_lr=1e-6, temperature=1.0, show_progress=False,
+                                dashboard_address=":0", output_dir=f"{args.work_dir}/dask-rl-mb{micro_batch}")
         started = time.perf_counter() - start
         print(f"dask-rl: cluster and models ready in {started:.1f} s", flush=True)
 
@@ -112,9 +112,10 @@ def run_dask_rl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
         boot = worker_start_times(client, start_wall)
         print("dask-rl: worker processes up (after their imports) at "
               + ", ".join(f"{name} {t:.1f} s" for name, t in sorted(boot.items())), flush=True)
-        loads = {role: seconds for roles in client.run(load_seconds).values() for role, seconds in roles.items()}
-        print("dask-rl: roles built (imports, model, engine) in "
-              + ", ".join(f"{role} {t:.1f} s" for role, t in sorted(loads.items())), flush=True)
+        loads = {role: times for roles in client.run(load_times).values() for role, times in roles.items()}
+        print("dask-rl: roles built (imports, model, engine): "
+              + ", ".join(f"{role} from {began - start_wall:.1f} s for {took:.1f} s"
+                          for role, (began, took) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
         try:
@@ -220,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="dask-rl steps left out (compile, pipeline fill)")
     parser.add_argument("--warmup-trl", type=int, default=1)
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[MICRO_BATCH],
+                        help="dask-rl's train.micro_batch_size, one run each (TRL keeps 16)")
     parser.add_argument("--logit-chunk", type=int, default=0,
                         help="response tokens the actor projects onto the vocabulary at once (0: the default)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
@@ -229,7 +232,8 @@ def main(argv=None) -> int:
     model_dir = str(save_qwen2_05b(args.model_dir))
     steps = max(args.dask_steps, args.trl_steps) + 1
     prompts = word_prompts(args.prompts_per_step * steps, PROMPT_TOKENS)
-    results = {"dask-rl": run_dask_rl(model_dir, prompts, args)}
+    results = {"dask-rl" if mb == MICRO_BATCH else f"dask-rl, micro-batch {mb}": run_dask_rl(model_dir, prompts, args, mb)
+               for mb in args.micro_batches}
     if not args.skip_trl:
         results["trl"] = run_trl(model_dir, prompts, args)
     batch = args.prompts_per_step * SAMPLES
@@ -238,13 +242,15 @@ def main(argv=None) -> int:
     for name, r in results.items():
         print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} tokens/s  "
               f"peak GPU memory (all processes) {r['peak_gib']:5.1f} GiB")
-    d = results["dask-rl"]
-    print(f"  dask-rl cluster start (workers + models) {d['start_seconds']:.1f} s; first step "
-          f"(compiles the decode graph) {d['first_step_seconds']:.1f} s")
-    if "trl" in results:
-        t = results["trl"]
-        print(f"  ratio: dask-rl step {t['step_seconds'] / d['step_seconds']:.2f}x faster, "
-              f"memory {d['peak_gib'] / t['peak_gib']:.2f}x TRL's")
+    for name, d in results.items():
+        if name == "trl":
+            continue
+        print(f"  {name}: cluster start (workers + models) {d['start_seconds']:.1f} s; first step "
+              f"(compiles the decode graph) {d['first_step_seconds']:.1f} s")
+        if "trl" in results:
+            t = results["trl"]
+            print(f"  {name}: ratio: step {t['step_seconds'] / d['step_seconds']:.2f}x faster, "
+                  f"memory {d['peak_gib'] / t['peak_gib']:.2f}x TRL's")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

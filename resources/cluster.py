@@ -136,16 +136,20 @@ class RoleCluster:
     """
 
     launcher = None  # connected mode: the LocalLauncher of workers add_workers started here
+    worker_imports: tuple[str, ...] = ()
 
     def __init__(self, workers: Iterable[WorkerSpec], *, dashboard_address: str = ":8787", host: str = "127.0.0.1",
                  security: Security | None = None, preload: Iterable[str] = (),
-                 silence_logs: int = logging.WARNING):
+                 worker_imports: Iterable[str] = (), silence_logs: int = logging.WARNING):
         """`host`: the interface the scheduler, its dashboard and the workers listen on
         (localhost unless asked; "0.0.0.0" is every interface); `security`: TLS for every
-        connection (tls_security); `preload`: modules the scheduler imports as it starts."""
+        connection (tls_security); `preload`: modules the scheduler imports as it starts;
+        `worker_imports`: modules each worker starts importing as its process comes up
+        (launcher.BackgroundImports)."""
         configure_dask()
         self.specs: dict[str, WorkerSpec] = {w.name: w for w in workers}
         self.host, self.security = host, security
+        self.worker_imports = tuple(worker_imports)
         options = {"dashboard_address": listen_address(dashboard_address, host), "host": host,
                    "preload": list(preload)}
         if security is not None:  # every connection then goes over tls://, the workers' too
@@ -158,7 +162,7 @@ class RoleCluster:
         self.client = Client(self.cluster, direct_to_workers=True, security=security)
 
     def _worker_spec(self, worker: WorkerSpec) -> dict:
-        return dask_worker_spec(worker, host=self.host, security=self.security)
+        return dask_worker_spec(worker, host=self.host, security=self.security, imports=self.worker_imports)
 
     @classmethod
     def connect(cls, address: str, roles: Iterable[str] = (), *, timeout: float,

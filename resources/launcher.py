@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 import threading
@@ -29,11 +30,14 @@ from resources.plan import WorkerSpec
 logger = logging.getLogger("dask_rl")
 
 
-def dask_worker_spec(worker: WorkerSpec, *, host: str | None = None, security: Security | None = None) -> dict:
+def dask_worker_spec(worker: WorkerSpec, *, host: str | None = None, security: Security | None = None,
+                     imports: tuple[str, ...] = ()) -> dict:
     """The SpecCluster entry for one role worker.
 
     `host`: the interface its Nanny, worker and worker dashboard listen on (None: all, as
-    a worker joining from another host needs); `security`: TLS settings (None: plain TCP).
+    a worker joining from another host needs); `security`: TLS settings (None: plain TCP);
+    `imports`: modules the worker starts importing as soon as its process is up
+    (BackgroundImports).
     """
     options = {
         "name": worker.name,
@@ -49,8 +53,43 @@ def dask_worker_spec(worker: WorkerSpec, *, host: str | None = None, security: S
     if security is not None:
         options["security"] = security
     options["plugins"] = {SignalsToTheDriver(), *(_cuda_worker_plugins(worker.device_id)
-                                                   if worker.device_type == "cuda" else ())}
+                                                   if worker.device_type == "cuda" else ()),
+                          *((BackgroundImports(imports),) if imports else ())}
     return {"cls": Nanny, "options": options}
+
+
+class BackgroundImports(WorkerPlugin):
+    """Imports `modules` in a thread from the moment the worker process is up.
+
+    A role worker's first seconds go to importing torch and transformers; started here,
+    that overlaps with the other workers starting, the client connecting and the role
+    plugins being sent, instead of following them. Code that needs the modules calls
+    wait() before importing any of them itself: two threads importing the same package's
+    modules at once could each wait for a module the other is loading. A failed import
+    is left for that code to raise, with its own context.
+    """
+
+    name = "dask-rl-imports"
+
+    def __init__(self, modules: tuple[str, ...]):
+        self.modules = tuple(modules)
+
+    def setup(self, worker) -> None:
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name=self.name, daemon=True).start()
+
+    def _run(self) -> None:
+        for module in self.modules:
+            try:
+                importlib.import_module(module)
+            except Exception as error:  # noqa: BLE001 - raised again where the module is used
+                logger.debug("dask-rl: background import of %s failed: %r", module, error)
+        self.done.set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        done = getattr(self, "done", None)   # set up on the worker only
+        if done is not None:
+            done.wait(timeout)
 
 
 class SignalsToTheDriver(WorkerPlugin):

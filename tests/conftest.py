@@ -36,11 +36,14 @@ def shared_config():
 def role_cluster(config):
     """A fresh local cluster with one worker per planned role worker (close it after use).
 
-    Its scheduler preloads the RL dashboard, as the trainer's own cluster does."""
+    Its scheduler preloads the RL dashboard and its workers start importing torch and
+    transformers as they come up, as the trainer's own cluster does."""
+    from pipeline.roles.host import WORKER_IMPORTS
     from resources.cluster import RoleCluster
     from resources.plan import plan_workers
 
-    return RoleCluster(plan_workers(config), dashboard_address=":0", preload=["pipeline.dashboard"])
+    return RoleCluster(plan_workers(config), dashboard_address=":0", preload=["pipeline.dashboard"],
+                       worker_imports=WORKER_IMPORTS)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ from pipeline.fleet.routes import WeightRoutes
 from pipeline.fleet.scaling import start_adaptive
 from pipeline.fleet.tasks import RoleTimeout, submit, wait_role
 from pipeline.roles import rollout
-from pipeline.roles.host import RoleHost, plugin_name, role_ready
+from pipeline.roles.host import WORKER_IMPORTS, RoleHost, plugin_name, role_ready
 from pipeline.roles.saved_state import Recovery, recovery_path
 from pipeline.roles.training import GroupInfo
 from resources.adaptive import Decision, RoleAdaptive
@@ -69,7 +69,8 @@ class Fleet:
             cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds, security=security)
         self.cluster = cluster or RoleCluster([w for w in plan_workers(config) if w.role in roles],
                                               dashboard_address=dashboard_address, host=host, security=security,
-                                              preload=["pipeline.dashboard"])  # the RL page and its monitor
+                                              preload=["pipeline.dashboard"],  # the RL page and its monitor
+                                              worker_imports=WORKER_IMPORTS)
         self.client = self.cluster.client
         self.groups = ProcessGroups(self.client)
         self.routes = WeightRoutes(self.cluster, weight_sync)

@@ -20,8 +20,14 @@ from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from pipeline import events
+from resources.launcher import BackgroundImports
 
 logger = logging.getLogger("dask_rl")
+
+# What building any role imports first (seconds on a GPU host): a worker starts on these as
+# soon as its process is up (RoleCluster's worker_imports), and RoleHost waits for them.
+WORKER_IMPORTS = ("torch", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+                  "transformers.models.auto.tokenization_auto")
 
 
 def plugin_name(role: str) -> str:
@@ -38,7 +44,8 @@ class RoleHost(WorkerPlugin):
         self.state: Any = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
-        self.load_seconds: float | None = None   # how long setup took to build the role (reports)
+        self.load_started: float | None = None   # when setup began (wall clock) and how long the
+        self.load_seconds: float | None = None   # build took, imports included: for reports
 
     def __getstate__(self):
         # Events and loaded models stay on their worker; only the recipe travels.
@@ -52,9 +59,9 @@ class RoleHost(WorkerPlugin):
             return
         # Load off the event loop so heartbeats keep flowing while a large model loads;
         # the worker takes no task before every plugin's setup has returned.
-        start = time.perf_counter()
+        self.load_started, start = time.time(), time.perf_counter()
         try:
-            self.state = await asyncio.to_thread(self._build)
+            self.state = await asyncio.to_thread(self._build, worker.plugins.get(BackgroundImports.name))
         except BaseException as error:  # reported by the first task rather than killing the worker
             logger.exception("dask-rl: %s worker %s failed to load its model", self.role, worker.name)
             self.error = error
@@ -63,7 +70,9 @@ class RoleHost(WorkerPlugin):
             self.ready.set()
         events.announce_worker(worker, self.role)  # the RL page's worker table: role and devices
 
-    def _build(self):
+    def _build(self, imports: BackgroundImports | None):
+        if imports is not None:  # the worker's own imports of torch and transformers first
+            imports.wait()
         import torch
 
         if self.torch_threads:
@@ -77,9 +86,10 @@ class RoleHost(WorkerPlugin):
         self.state = None
 
 
-def load_seconds(dask_worker=None) -> dict[str, float]:
-    """For `client.run`: role -> seconds this worker took to build it (imports, model, engine)."""
-    return {plugin.role: plugin.load_seconds for plugin in dask_worker.plugins.values()
+def load_times(dask_worker=None) -> dict[str, tuple[float, float]]:
+    """For `client.run`: role -> (wall-clock time its setup began, seconds it took to build:
+    imports, model, engine) on this worker."""
+    return {plugin.role: (plugin.load_started, plugin.load_seconds) for plugin in dask_worker.plugins.values()
             if isinstance(plugin, RoleHost) and plugin.load_seconds is not None}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -9,7 +11,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from pipeline.records import GenerationRequest
 from pipeline.rewards import digit_fraction
 from pipeline.roles import rollout
-from pipeline.roles.host import load_seconds, worker_identity
+from pipeline.roles.host import load_times, worker_identity
 from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
 
@@ -143,9 +145,20 @@ def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engin
     engines = shared_cluster.client.run(_engine_name, workers=[w["address"] for w in shared_cluster.workers_of("rollout")])
     assert set(engines.values()) == {"CudaGraphEngine"}
     # Each worker says how long building its role took (the GPU benchmark prints it).
-    built = {role: seconds for roles in shared_cluster.client.run(load_seconds).values()
-             for role, seconds in roles.items()}
-    assert {"rollout", "reward", "actor"} <= set(built) and all(0 < s < 600 for s in built.values())
+    built = {role: times for roles in shared_cluster.client.run(load_times).values() for role, times in roles.items()}
+    assert {"rollout", "reward", "actor"} <= set(built)
+    assert all(0 < seconds < 600 and started < time.time() for started, seconds in built.values())
+    # Every worker imported torch and transformers in the background from its start.
+    assert set(shared_cluster.client.run(_background_imports).values()) == {True}
+
+
+def _background_imports(dask_worker=None):
+    import sys
+
+    from pipeline.roles.host import WORKER_IMPORTS
+
+    plugin = dask_worker.plugins["dask-rl-imports"]
+    return plugin.done.is_set() and all(module in sys.modules for module in WORKER_IMPORTS)
 
 
 def _engine_name(dask_worker=None):
