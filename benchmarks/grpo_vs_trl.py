@@ -136,7 +136,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch: int) -> d
     if others:
         print(f"dask-rl: other processes at the summed peak: {sum(others.values()) / 2**30:.2f} GiB", flush=True)
     return {**result, "peak_gib": memory.peak / 2**30, "start_seconds": started,
-            "first_step_seconds": seconds[0], "boot_seconds": boot, "load_seconds": loads,
+            "first_step_seconds": seconds[0], "boot_seconds": boot, "load_times": loads,
             "at_peak_gib": {pids.get(pid, str(pid)): b / 2**30 for pid, b in memory.at_peak.items()},
             "torch_memory": torch_memory}
 

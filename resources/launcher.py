@@ -86,10 +86,10 @@ class BackgroundImports(WorkerPlugin):
                 logger.debug("dask-rl: background import of %s failed: %r", module, error)
         self.done.set()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self) -> None:
         done = getattr(self, "done", None)   # set up on the worker only
         if done is not None:
-            done.wait(timeout)
+            done.wait()
 
 
 class SignalsToTheDriver(WorkerPlugin):
