@@ -1,4 +1,9 @@
-"""Prompt sources: a Python list, a local JSONL or Parquet file, or a `datasets` dataset."""
+"""Prompt sources: a Python list, a local JSONL or Parquet file, or a `datasets` dataset.
+
+A source yields rows: the prompt (text, or a list of chat messages) and the row's other
+fields (an answer, a solution, a data-source tag...), which travel with the row's samples to
+the reward functions and into samples.jsonl.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ import json
 import logging
 import os
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 
 from resources.config import shorten
@@ -17,6 +23,7 @@ logger = logging.getLogger("dask_rl")
 # most likely a binary or one-line file, which must not be read into memory whole.
 MAX_LINE_BYTES = 4 << 20
 FIX_COLUMN = "set prompt_column to the field that holds the prompt text"
+Messages = list  # [{"role": "user", "content": "..."}, ...]
 
 
 class PromptColumnError(KeyError, ValueError):
@@ -27,40 +34,69 @@ class PromptColumnError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def read_prompts(source: Any, column: str = "prompt") -> list[str]:
-    """All prompt texts of `source`.
+@dataclass(frozen=True)
+class PromptRow:
+    """One row of a prompt source: its prompt and every other field, renamed as
+    train.columns says (field name -> the column it is read from)."""
 
-    Accepts a list of strings (or of dicts with `column`), a .jsonl/.json or .parquet path,
-    or anything indexable by column name like a `datasets.Dataset`.
+    prompt: str | Messages
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+def read_rows(source: Any, column: str = "prompt", columns: Mapping[str, str] | None = None) -> list[PromptRow]:
+    """Every row of `source`: a list of strings or dicts, a .jsonl/.json or .parquet path, or
+    anything with `column_names` and `to_list()` like a `datasets.Dataset`.
+
+    `column` holds the prompt; `columns` maps a field name the rewards see to the column it
+    is read from ({"answer": "solution"}); every other column keeps its own name.
     """
+    columns = dict(columns or {})
     if isinstance(source, (str, os.PathLike)):
-        return _read_file(Path(source), column)
+        return _read_file(Path(source), column, columns)
     if isinstance(source, (list, tuple)):
-        return [_text(item, column, f"prompt {i}") for i, item in enumerate(source)]
+        return [_row(item, column, columns, f"prompt {i}") for i, item in enumerate(source)]
     if hasattr(source, "column_names"):  # datasets.Dataset
-        if column not in source.column_names:
-            raise PromptColumnError(f"the dataset has no column {column!r} (it has {source.column_names}). "
-                                    f"Fix: {FIX_COLUMN}.")
-        return [str(text) for text in source[column]]
+        _require_columns(source.column_names, column, columns, "the dataset")
+        return [_row(item, column, columns, f"dataset row {i}") for i, item in enumerate(source.to_list())]
     raise TypeError(f"prompts must be a list, a .jsonl/.parquet path or a datasets.Dataset, not {type(source).__name__}")
 
 
-def _read_file(path: Path, column: str) -> list[str]:
+def read_prompts(source: Any, column: str = "prompt") -> list[str | Messages]:
+    """The prompts of `source` alone (see read_rows)."""
+    return [row.prompt for row in read_rows(source, column)]
+
+
+def _require_columns(names: list[str], column: str, columns: dict[str, str], where: str) -> None:
+    if column not in names:
+        raise PromptColumnError(f"{where} has no column {column!r} (it has {shorten(str(list(names)))}). "
+                                f"Fix: {FIX_COLUMN}.")
+    for name, source_column in columns.items():
+        if source_column not in names:
+            raise PromptColumnError(f"{where} has no column {source_column!r} (it has {shorten(str(list(names)))}), "
+                                    f"which train.columns reads {name!r} from. Fix: name an existing column in "
+                                    f"train.columns.")
+
+
+def _read_file(path: Path, column: str, columns: dict[str, str]) -> list[PromptRow]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist. Fix: check the path (in a run file it "
                                 f"is relative to the run file).")
     if path.suffix == ".parquet":
-        texts = _read_parquet(path, column)
+        rows = _read_parquet(path, column, columns)
     elif path.suffix in (".jsonl", ".json"):
-        texts = _read_jsonl(path, column)
+        rows = _read_jsonl(path, column, columns)
     else:
         raise ValueError(f"{path}: unknown prompt file type {path.suffix!r}. Fix: use .jsonl or .parquet.")
-    if not texts:
+    if not rows:
         raise ValueError(f"{path}: the file holds no prompts. Fix: add one row per prompt.")
-    return texts
+    return rows
 
 
-def _read_parquet(path: Path, column: str) -> list[str]:
+def _read_parquet(path: Path, column: str, columns: dict[str, str]) -> list[PromptRow]:
     import pyarrow
     import pyarrow.parquet as pq
 
@@ -69,14 +105,12 @@ def _read_parquet(path: Path, column: str) -> list[str]:
     except (pyarrow.ArrowException, OSError) as exc:
         raise ValueError(f"{path}: not a readable Parquet file ({shorten(str(exc))}). "
                          f"Fix: check the path, or write the file again.") from None
-    if column not in table.column_names:
-        raise PromptColumnError(f"{path} has no column {column!r} (it has {shorten(str(table.column_names))}). "
-                                f"Fix: {FIX_COLUMN}.")
-    return [str(text) for text in table.column(column).to_pylist()]
+    _require_columns(table.column_names, column, columns, str(path))
+    return [_row(item, column, columns, f"{path} row {i}") for i, item in enumerate(table.to_pylist())]
 
 
-def _read_jsonl(path: Path, column: str) -> list[str]:
-    texts = []
+def _read_jsonl(path: Path, column: str, columns: dict[str, str]) -> list[PromptRow]:
+    rows = []
     with path.open("rb") as file:  # line by line: one bad line is named, and a big file streams
         for number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
             where = f"{path} line {number}"
@@ -84,8 +118,8 @@ def _read_jsonl(path: Path, column: str) -> list[str]:
                 raise ValueError(f"{where}: longer than {MAX_LINE_BYTES >> 20} MiB, too long for a prompt. Fix: "
                                  f"check the path points at a JSONL file (one JSON object per line)")
             if raw.strip():
-                texts.append(_text(_parse_line(raw, where, column), column, where))
-    return texts
+                rows.append(_row(_parse_line(raw, where, column), column, columns, where))
+    return rows
 
 
 def _parse_line(raw: bytes, where: str, column: str) -> Any:
@@ -101,25 +135,59 @@ def _parse_line(raw: bytes, where: str, column: str) -> Any:
         raise ValueError(f"{where}: JSON nested too deeply. {fix}") from None
 
 
-def _text(item: Any, column: str, where: str) -> str:
+def _row(item: Any, column: str, columns: dict[str, str], where: str) -> PromptRow:
     if isinstance(item, str):
-        return item
-    if isinstance(item, dict) and column in item:
-        return str(item[column])
-    found = f"its fields are {shorten(str(list(item)))}" if isinstance(item, dict) else f"it is {shorten(repr(item))}"
-    raise PromptColumnError(f"{where}: no {column!r} field ({found}). Fix: {FIX_COLUMN}.")
+        if columns:
+            raise PromptColumnError(f"{where}: a plain string has no column {next(iter(columns.values()))!r} "
+                                    f"for train.columns. Fix: give rows as objects with that field.")
+        return PromptRow(item)
+    if not (isinstance(item, dict) and column in item):
+        found = f"its fields are {shorten(str(list(item)))}" if isinstance(item, dict) else f"it is {shorten(repr(item))}"
+        raise PromptColumnError(f"{where}: no {column!r} field ({found}). Fix: {FIX_COLUMN}.")
+    renamed = {source: name for name, source in columns.items()}
+    for name, source in columns.items():
+        if source not in item:
+            raise PromptColumnError(f"{where}: no {source!r} field (its fields are {shorten(str(list(item)))}), "
+                                    f"which train.columns reads {name!r} from. Fix: name an existing field in "
+                                    f"train.columns.")
+    fields = {renamed.get(key, key): value for key, value in item.items() if key != column}
+    return PromptRow(_prompt(item[column], where, column), fields)
+
+
+def _prompt(value: Any, where: str, column: str) -> str | Messages:
+    """Text, or a list of {"role", "content"} messages (the conversational format)."""
+    if isinstance(value, list):
+        for i, message in enumerate(value):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise ValueError(f"{where}: {column!r} is a list, but its item {i} is no chat message "
+                                 f"({shorten(repr(message))}). Fix: write chat prompts as "
+                                 f'[{{"role": "user", "content": "..."}}], or the prompt as text.')
+        if not value:
+            raise ValueError(f"{where}: {column!r} is an empty list of messages. Fix: give at least one message.")
+        return value
+    if isinstance(value, (dict, tuple)) or value is None:
+        raise ValueError(f"{where}: {column!r} is {shorten(repr(value))}, neither text nor a list of chat "
+                         f"messages. Fix: write the prompt as text or as [{{\"role\": \"user\", \"content\": \"...\"}}].")
+    return str(value)
 
 
 class PromptStream:
-    """Endless shuffled epochs over the prompts, tokenised once; resumable by position."""
+    """Endless shuffled epochs over the prompts, tokenised once; resumable by position.
 
-    def __init__(self, token_ids: list[list[int]], seed: int):
+    `rows` (parallel to `token_ids`) keep each prompt's original form and fields: a
+    checkpoint's position names the same rows again."""
+
+    def __init__(self, token_ids: list[list[int]], seed: int, rows: list[PromptRow] | None = None):
         if not token_ids:
             raise ValueError("there are no prompts to train on")
         empty = [i for i, ids in enumerate(token_ids) if not ids]
         if empty:
             raise ValueError(f"prompts {empty[:5]} encode to no tokens; check the tokenizer and the prompt texts")
+        if rows is not None and len(rows) != len(token_ids):
+            raise ValueError(f"{len(rows)} prompt rows for {len(token_ids)} tokenised prompts")
         self.token_ids = token_ids
+        self.rows = rows
         self.seed = seed
         self.position = 0  # prompts handed out so far
 
@@ -128,6 +196,10 @@ class PromptStream:
         draws = range(self.position, self.position + size)
         self.position += size
         return [self.token_ids[self._index(d)] for d in draws], list(draws)
+
+    def row(self, draw: int) -> PromptRow | None:
+        """The row behind draw number `draw` (None for a stream built from token ids alone)."""
+        return None if self.rows is None else self.rows[self._index(draw)]
 
     def _index(self, draw: int) -> int:
         epoch, offset = divmod(draw, len(self.token_ids))
@@ -153,8 +225,25 @@ def fit_to_context(token_ids: list[list[int]], context: int | None, max_new_toke
     them: "refuse" (an error with their count and the longest), "truncate" (keep each one's
     last tokens: the end of a prompt is where the question and the answer cue are) or "drop".
     """
+    kept = _fit(token_ids, context, max_new_tokens, long_prompts, source)
+    if len(kept) == len(token_ids) and all(ids is token_ids[i] for i, ids in kept):
+        return token_ids  # nothing cut or left out: the same list
+    return [ids for _, ids in kept]
+
+
+def fit_rows_to_context(token_ids: list[list[int]], rows: list[PromptRow], context: int | None,
+                        max_new_tokens: int, long_prompts: str, source: Any = "prompts"
+                        ) -> tuple[list[list[int]], list[PromptRow]]:
+    """fit_to_context, with the rows of the prompts it keeps."""
+    kept = _fit(token_ids, context, max_new_tokens, long_prompts, source)
+    return [ids for _, ids in kept], [rows[i] for i, _ in kept]
+
+
+def _fit(token_ids: list[list[int]], context: int | None, max_new_tokens: int, long_prompts: str,
+         source: Any) -> list[tuple[int, list[int]]]:
+    """(index, fitted token ids) of every prompt kept."""
     if context is None:
-        return token_ids
+        return list(enumerate(token_ids))
     name = str(source) if isinstance(source, (str, os.PathLike)) else "prompts"
     budget = context - max_new_tokens
     if budget < 1:
@@ -162,12 +251,12 @@ def fit_to_context(token_ids: list[list[int]], context: int | None, max_new_toke
                                 f"context of {context} tokens. Fix: use max_new_tokens below {context}.")
     long = [i for i, ids in enumerate(token_ids) if len(ids) > budget]
     if not long:
-        return token_ids
+        return list(enumerate(token_ids))
     longest = max(long, key=lambda i: len(token_ids[i]))
     what = (f"{len(long)} of {len(token_ids)} prompts are longer than {budget} tokens (the model's context of "
             f"{context} minus train.max_new_tokens {max_new_tokens}); the longest, prompt {longest}, has "
             f"{len(token_ids[longest])}")
-    kept = [ids for ids in token_ids if len(ids) <= budget]
+    kept = [(i, ids) for i, ids in enumerate(token_ids) if len(ids) <= budget]
     if long_prompts == "refuse" or long_prompts == "drop" and not kept:
         raise PromptLengthError(f"{name}: {what}. Fix: shorten them, lower train.max_new_tokens, or set "
                                 f"train.long_prompts: truncate (keep each one's last {budget} tokens)"
@@ -175,4 +264,4 @@ def fit_to_context(token_ids: list[list[int]], context: int | None, max_new_toke
     logger.warning("dask-rl: %s: %s; %s (train.long_prompts: %s)", name, what,
                    f"kept their last {budget} tokens" if long_prompts == "truncate" else "left them out",
                    long_prompts)
-    return [ids[-budget:] for ids in token_ids] if long_prompts == "truncate" else kept
+    return [(i, ids[-budget:]) for i, ids in enumerate(token_ids)] if long_prompts == "truncate" else kept

@@ -16,27 +16,42 @@ from torch import nn
 # what the policy writes and a reward on characters is easy to check by eye.
 TINY_CHARS = string.ascii_lowercase + string.digits + " .,?!:+-="
 TINY_SPECIALS = ("<pad>", "<eos>")
+# The chat variant's turn markers and template, in Qwen's format: a turn is
+# "<|im_start|>{role}\n{content}<|im_end|>\n", the generation prompt "<|im_start|>assistant\n".
+CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+QWEN_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                      "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_char_tokenizer():
-    """A fast tokenizer with one token per character of TINY_CHARS (pad=0, eos=1)."""
+def build_char_tokenizer(chat: bool = False):
+    """A fast tokenizer with one token per character of TINY_CHARS (pad=0, eos=1).
+
+    `chat`: a newline character and the turn markers are added after them, and the
+    tokenizer carries QWEN_CHAT_TEMPLATE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + tuple(TINY_CHARS))}
+    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + tuple(TINY_CHARS) + (("\n",) if chat else ()))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_MARKERS)})
+        tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
 
 
 def create_tiny_model(directory: str | os.PathLike, *, hidden_size: int = 64, layers: int = 2,
-                      heads: int = 2, seed: int = 0) -> Path:
+                      heads: int = 2, seed: int = 0, chat: bool = False) -> Path:
     """Write a randomly initialised Qwen2-architecture causal LM and its character tokenizer
-    to `directory` and return the path. The defaults train in minutes on two CPU cores."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    to `directory` and return the path. The defaults train in minutes on two CPU cores.
 
-    tokenizer = build_char_tokenizer()
+    `chat`: the tokenizer has Qwen's chat template and turn markers, and the generation
+    config lists two end-of-turn ids as an instruct model's does: <|im_end|> and <eos>."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_char_tokenizer(chat)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
@@ -45,6 +60,10 @@ def create_tiny_model(directory: str | os.PathLike, *, hidden_size: int = 64, la
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
+    if chat:
+        model.generation_config = GenerationConfig(
+            bos_token_id=1, pad_token_id=0,
+            eos_token_id=[tokenizer.convert_tokens_to_ids(CHAT_MARKERS[1]), tokenizer.eos_token_id])
     path = Path(directory)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -68,6 +87,8 @@ def load_tokenizer(path: str | os.PathLike):
             special = json.loads(config_file.read_text())
             tokenizer.pad_token = special.get("pad_token") or special.get("eos_token")
             tokenizer.eos_token = special.get("eos_token")
+            template = Path(path) / "chat_template.jinja"  # where transformers 5 saves a template
+            tokenizer.chat_template = template.read_text() if template.is_file() else special.get("chat_template")
             return tokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:

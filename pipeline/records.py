@@ -7,7 +7,7 @@ Shapes: B = samples in the record, P = padded prompt length, R = padded response
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -76,14 +76,28 @@ class SampleProblem:
 
 
 @dataclass
+class RewardInputs:
+    """What the reward functions see of one shard's prompts besides the texts, by group id."""
+
+    prompts: dict[int, str | list]   # the row's prompt as given: text, or a list of chat messages
+    fields: dict[int, dict]          # the row's other fields (answer, solution, ...)
+
+
+@dataclass
 class Scores:
     """One reward shard's output: a score per row, NaN on the rows listed in `problems`."""
 
-    values: torch.Tensor             # (B,) float32
+    values: torch.Tensor             # (B,) float32: the weighted sum of the rewards
     problems: list[SampleProblem]
+    # Each reward's own value by name, (B,) float32, NaN where it returned None or failed.
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.values.shape[0]
+
+    def select(self, rows: torch.Tensor) -> Scores:
+        """The rows `rows` (problems are dropped: selecting happens after screening)."""
+        return Scores(self.values[rows], [], {name: values[rows] for name, values in self.components.items()})
 
 
 def join_scores(shards: list[Scores]) -> Scores:
@@ -92,7 +106,9 @@ def join_scores(shards: list[Scores]) -> Scores:
     for shard in shards:
         problems += [replace(p, row=p.row + offset) for p in shard.problems]
         offset += len(shard)
-    return Scores(torch.cat([s.values for s in shards]), problems)
+    names = list(shards[0].components) if shards else []
+    return Scores(torch.cat([s.values for s in shards]), problems,
+                  {name: torch.cat([s.components[name] for s in shards]) for name in names})
 
 
 @dataclass

@@ -1,9 +1,12 @@
-"""The reward role: scores each response with a rule (a Python function) or a reward model.
+"""The reward role: scores each response with reward functions and/or reward models.
 
-Every score is checked here, where the prompt and response are at hand: a reward function
-that raises or returns something other than one finite number, or a reward model that
-scores NaN, marks its sample as a SampleProblem (score NaN) instead of failing the shard.
-The driver then drops or refuses those samples as `train.reward_errors` says.
+A step's reward is the weighted sum of its rewards (reward_specs.py: the two calling
+conventions, names and weights); each reward's own value is kept too (Scores.components)
+for its figures. Every value is checked here, where the texts are at hand: a reward that
+raises, runs past its time bound or returns something other than one finite number (or
+None: "does not apply") marks its sample as a SampleProblem (score NaN) instead of failing
+the shard, and so does a sample to which no reward applies. The driver then drops or
+refuses those samples as `train.reward_errors` says.
 """
 
 from __future__ import annotations
@@ -15,72 +18,151 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.records import SHOWN_TEXT, Rollout, SampleProblem, Scores
+from pipeline.records import SHOWN_TEXT, RewardInputs, Rollout, SampleProblem, Scores
+from pipeline.reward_specs import RewardSpec, accepted_keywords
+from pipeline.roles.bounded_calls import BoundedCalls
 from pipeline.roles.host import resolve_device, role_state
 from resources.config import shorten
 
 logger = logging.getLogger("dask_rl")
 
-RewardFunction = Callable[[str, str], float]   # (prompt text, response text) -> reward
+RewardFunction = Callable[..., Any]   # (prompt, response, **fields) -> float | None, or TRL's batched form
 
 
 class RewardRole:
+    """`rewards`: the RewardSpecs to compute; `function=` / `model_dir=` is the one-reward
+    short form. `timeout`: seconds one call of a reward function may take (train.reward_timeout;
+    0 = no bound, calls run in this worker's thread)."""
+
     def __init__(self, tokenizer_dir: str, *, function: RewardFunction | None = None,
-                 model_dir: str | None = None, device: str = "auto", batch_size: int = 32):
+                 model_dir: str | None = None, rewards: list[RewardSpec] | None = None, device: str = "auto",
+                 batch_size: int = 32, timeout: float = 0.0):
         device = resolve_device(device)
         from pipeline.models import load_sequence_scorer, load_tokenizer
 
-        if (function is None) == (model_dir is None):
-            raise ValueError("a reward role needs exactly one of a reward function or a reward model")
+        if rewards is None:
+            if (function is None) == (model_dir is None):
+                raise ValueError("a reward role needs exactly one of a reward function or a reward model")
+            rewards = [RewardSpec("reward", function=function, model_dir=model_dir)]
+        self.specs = rewards
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        self.function = function
         self.device = device
         self.batch_size = batch_size
-        if model_dir is not None:
-            self.model = load_sequence_scorer(model_dir, device=device)
-            self.model_tokenizer = load_tokenizer(model_dir)
+        self.calls = BoundedCalls(timeout)
+        self.models = {spec.name: (load_sequence_scorer(spec.model_dir, device=device), load_tokenizer(spec.model_dir))
+                       for spec in rewards if spec.model_dir is not None}
+
+    def close(self) -> None:
+        self.calls.close()
 
     def texts(self, rollout: Rollout) -> tuple[list[str], list[str]]:
-        """Decode prompts and responses (padding and EOS dropped)."""
+        """Decode prompts and responses (padding and special tokens such as EOS dropped)."""
         ids = [rollout.token_ids(row) for row in range(len(rollout))]
         return ([self.tokenizer.decode(p, skip_special_tokens=True) for p, _ in ids],
                 [self.tokenizer.decode(r, skip_special_tokens=True) for _, r in ids])
 
-    def score(self, rollout: Rollout) -> Scores:
-        """One scalar reward per sample; NaN, with the reason, where there is none."""
-        prompts, responses = self.texts(rollout)
-        if self.function is not None:
-            called = [self._call(p, r) for p, r in zip(prompts, responses)]
-            values, errors = [v for v, _ in called], [e for _, e in called]
-        else:
-            values = self._model_scores([p + r for p, r in zip(prompts, responses)]).tolist()
-            errors = [None if math.isfinite(v) else f"the reward model scored {v}" for v in values]
-        problems = [SampleProblem(row, "reward", error, shorten(prompts[row], SHOWN_TEXT),
+    def score(self, rollout: Rollout, inputs: RewardInputs | None = None) -> Scores:
+        """The weighted reward per sample and each reward's own value; NaN, with the reason,
+        where there is none. `inputs`: each prompt's original form and fields, by group id
+        (without them a function sees the decoded prompt and no fields)."""
+        prompt_texts, responses = self.texts(rollout)
+        samples = _Samples(rollout, prompt_texts, responses, inputs)
+        components, errors = {}, [None] * len(rollout)
+        for spec in self.specs:
+            if spec.function is None:
+                values, spec_errors = self._model_scores(spec.name, samples)
+            elif spec.batched:
+                values, spec_errors = self._batched(spec, samples)
+            else:
+                values, spec_errors = self._per_sample(spec, samples)
+            components[spec.name] = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+            errors = [e or (f"{spec.name}: {s}" if s and len(self.specs) > 1 else s)
+                      for e, s in zip(errors, spec_errors)]
+        total, errors = _weighted_sum(self.specs, components, errors)
+        problems = [SampleProblem(row, "reward", error, shorten(prompt_texts[row], SHOWN_TEXT),
                                   shorten(responses[row], SHOWN_TEXT))
                     for row, error in enumerate(errors) if error is not None]
-        scores = torch.tensor(values, dtype=torch.float32)
-        scores[[p.row for p in problems]] = math.nan
-        return Scores(scores, problems)
+        total[[p.row for p in problems]] = math.nan
+        return Scores(total, problems, components)
 
-    def _call(self, prompt: str, response: str) -> tuple[float, str | None]:
-        """(score, None), or (nan, what went wrong) for a raising function or a bad value."""
-        try:
-            value = self.function(prompt, response)
-        except Exception as error:  # the user's function: any failure is this sample's problem
-            logger.debug("dask-rl: the reward function failed on prompt %r", prompt[:SHOWN_TEXT], exc_info=True)
-            return math.nan, shorten(f"the reward function raised {type(error).__name__}: {error}", 300)
-        problem = _bad_score(value)
-        return (math.nan, f"the reward function {problem}") if problem else (float(value), None)
+    def _per_sample(self, spec: RewardSpec, samples: _Samples) -> tuple[list, list]:
+        calls = [((samples.prompts[row], samples.responses[row]),
+                  accepted_keywords(spec.function, samples.keywords(row))) for row in range(samples.rows)]
+        results = self.calls.run(spec.function, calls)
+        checked = [_checked(value, error, "the reward function") for value, error in results]
+        return [v for v, _ in checked], [e for _, e in checked]
+
+    def _batched(self, spec: RewardSpec, samples: _Samples) -> tuple[list, list]:
+        """TRL's convention: one call for the shard, keyword arguments only."""
+        offered = {"prompts": samples.prompts, "completions": samples.completions(), **samples.columns()}
+        [(values, error)] = self.calls.run(spec.function, [((), accepted_keywords(spec.function, offered))])
+        if error is None and not (isinstance(values, (list, tuple)) and len(values) == samples.rows):
+            error = (f"returned {shorten(repr(values))}, not a list of {samples.rows} values (one per completion)")
+        if error is not None:
+            return [None] * samples.rows, [f"the reward function {error}"] * samples.rows
+        checked = [_checked(value, None, "the reward function") for value in values]
+        return [v for v, _ in checked], [e for _, e in checked]
 
     @torch.no_grad()
-    def _model_scores(self, texts: list[str]) -> torch.Tensor:
+    def _model_scores(self, name: str, samples: _Samples) -> tuple[list, list]:
         # Re-tokenise with the reward model's own tokenizer: it need not share the policy's.
+        model, tokenizer = self.models[name]
+        texts = [p + r for p, r in zip(samples.prompt_texts, samples.responses)]
         scores = []
         for start in range(0, len(texts), self.batch_size):
-            batch = self.model_tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True)
-            logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
-            scores.append(logits[:, 0].float().cpu())
-        return torch.cat(scores)
+            batch = tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True)
+            logits = model(**{k: v.to(self.device) for k, v in batch.items()}).logits
+            scores += logits[:, 0].float().cpu().tolist()
+        return scores, [None if math.isfinite(v) else f"the reward model scored {v}" for v in scores]
+
+
+class _Samples:
+    """One shard's samples as the reward functions see them."""
+
+    def __init__(self, rollout: Rollout, prompt_texts: list[str], responses: list[str], inputs: RewardInputs | None):
+        groups = rollout.group_ids.tolist()
+        self.rows = len(rollout)
+        self.prompt_texts, self.responses = prompt_texts, responses
+        self.prompts = [inputs.prompts[g] for g in groups] if inputs else prompt_texts
+        self.fields = [inputs.fields[g] for g in groups] if inputs else [{} for _ in groups]
+        self.completion_ids = [rollout.token_ids(row)[1] for row in range(self.rows)]
+
+    def keywords(self, row: int) -> dict[str, Any]:
+        return {**self.fields[row], "completion_ids": self.completion_ids[row]}
+
+    def completions(self) -> list:
+        """As TRL gives them: text, or an assistant message where the prompt was a conversation."""
+        return [[{"role": "assistant", "content": r}] if isinstance(p, list) else r
+                for p, r in zip(self.prompts, self.responses)]
+
+    def columns(self) -> dict[str, list]:
+        """Each field as a list over the samples (None where a row lacks it), and completion_ids."""
+        names = dict.fromkeys(key for fields in self.fields for key in fields)
+        return {**{name: [fields.get(name) for fields in self.fields] for name in names},
+                "completion_ids": self.completion_ids}
+
+
+def _checked(value: Any, error: str | None, what: str) -> tuple[float | None, str | None]:
+    """(a finite float or None, None) or (None, what went wrong)."""
+    if error is not None:
+        return None, f"{what} {error}" if not error.startswith(what) else error
+    if value is None:
+        return None, None
+    problem = _bad_score(value)
+    return (None, f"{what} {problem}") if problem else (float(value), None)
+
+
+def _weighted_sum(specs: list[RewardSpec], components: dict[str, torch.Tensor], errors: list[str | None]
+                  ) -> tuple[torch.Tensor, list[str | None]]:
+    """Sum over the rewards that apply of weight x value; a sample none applies to is a problem."""
+    stacked = torch.stack([components[s.name] for s in specs], dim=1)
+    weights = torch.tensor([s.weight for s in specs], dtype=torch.float32)
+    applies = stacked.isfinite()
+    total = torch.where(applies, stacked * weights, torch.zeros(())).sum(dim=1)
+    none_apply = ~applies.any(dim=1)
+    errors = [e or ("every reward returned None (none applies to this sample)" if none else None)
+              for e, none in zip(errors, none_apply.tolist())]
+    return total, errors
 
 
 def _bad_score(value: Any) -> str | None:
@@ -98,6 +180,6 @@ def _bad_score(value: Any) -> str | None:
     return None if math.isfinite(number) else f"returned {number}, not a finite number"
 
 
-def score(rollout: Rollout) -> Scores:
-    """Task: the rewards of one rollout shard."""
-    return role_state("reward").score(rollout)
+def score(rollout: Rollout, inputs: RewardInputs | None = None) -> Scores:
+    """Task: the rewards of one rollout shard (`inputs`: its prompts' original forms and fields)."""
+    return role_state("reward").score(rollout, inputs)

@@ -137,8 +137,9 @@ BAD_REWARDS = {
     "raises": (_raise_on_ok, "the reward function raised ArithmeticError: no score for ok"),
     "string": (lambda p, r: "0.5" if p.startswith("ok") else 1.0,
                "the reward function returned '0.5' (a str), not a number"),
+    # None is "does not apply" (TRL's convention): with no other reward, none applies.
     "None": (lambda p, r: None if p.startswith("ok") else 1.0,
-             "the reward function returned None (a NoneType), not a number"),
+             "every reward returned None (none applies to this sample)"),
     "tensor of two": (lambda p, r: torch.ones(2) if p.startswith("ok") else torch.tensor(1.0),
                       "the reward function returned a tensor of shape (2,), not one number"),
     "nan": (lambda p, r: math.nan if p.startswith("ok") else 1, "the reward function returned nan, not a finite"),
