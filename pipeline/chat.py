@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.data import PromptRow
+from pipeline.config import TrainConfig
+from pipeline.data import PromptRow, PromptStream, fit_rows_to_context, read_rows
 
 
 class ChatTemplateError(ValueError):
@@ -53,3 +54,12 @@ def _render(tokenizer, row: PromptRow, chat_template: bool | None, system_prompt
     ids = tokenizer.apply_chat_template(conversation(row, system_prompt), add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     return list(ids)
+
+
+def prompt_stream(source: Any, tokenizer, tc: TrainConfig, context: int | None, tokenizer_dir: Any) -> PromptStream:
+    """The rows of `source`, rendered and fitted to the model's `context` once, as a stream."""
+    rows = read_rows(source, tc.prompt_column, tc.columns)
+    token_ids = render_prompts(tokenizer, rows, chat_template=tc.chat_template, system_prompt=tc.system_prompt,
+                               tokenizer_dir=tokenizer_dir)
+    token_ids, rows = fit_rows_to_context(token_ids, rows, context, tc.max_new_tokens, tc.long_prompts, source)
+    return PromptStream(token_ids, seed=tc.seed, rows=rows)

@@ -243,7 +243,7 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     import tempfile
 
     from pipeline.config import TrainConfigError, load_run_file, make_train_config
-    from pipeline.data import read_prompts
+    from pipeline.data import read_rows
     from pipeline.rewards import resolve_reward_function
     from resources.config import ResourceConfigError, shorten
 
@@ -258,13 +258,14 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
         if steps is not None:
             run = replace(run, train=make_train_config({"steps": steps}, source="--steps", base=run.train))
         inputs = dict(run.inputs)
-        if "reward_function" in inputs:
-            reward_model = resolve_reward_function(inputs["reward_function"])
-        elif "reward_model" in inputs:
-            reward_model = inputs["reward_model"]
-        else:
-            raise TrainConfigError(f"{path}: train: no reward. Fix: set reward_function (module:function) "
-                                   f"or reward_model (a path).")
+        functions = inputs.get("reward_function", [])
+        rewards = [_reward_function(spec, resolve_reward_function)
+                   for spec in (functions if isinstance(functions, list) else [functions])]
+        rewards += [inputs["reward_model"]] if "reward_model" in inputs else []
+        if not rewards:
+            raise TrainConfigError(f"{path}: train: no reward. Fix: set reward_function (module:function, or a "
+                                   f"list of them) or reward_model (a path).")
+        reward_model = rewards[0] if len(rewards) == 1 else rewards
         prompts = inputs.get("prompts")
         if prompts is None:
             raise TrainConfigError(f"{path}: train: no prompts. Fix: set prompts to a .jsonl/.parquet path.")
@@ -272,7 +273,10 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
             raise TrainConfigError(f"{path}: train.prompts: {shorten(repr(prompts))} does not exist. Fix: give a "
                                    f"path relative to the run file or an absolute one.")
         # Read now, not in the trainer: a bad line or a missing column is one line, before anything starts.
-        prompts = read_prompts(prompts, run.train.prompt_column)
+        prompts = read_rows(prompts, run.train.prompt_column, run.train.columns)
+        eval_prompts = inputs.get("eval_prompts")
+        if eval_prompts is not None:
+            eval_prompts = read_rows(eval_prompts, run.train.prompt_column, run.train.columns)
         if resume is True and not (output_dir or inputs.get("output_dir")):
             raise TrainConfigError("--resume without a directory resumes from the output directory, and none is "
                                    "set. Fix: pass --output-dir (or train.output_dir), or --resume DIR.")
@@ -286,13 +290,13 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
     out = Path(output_dir or inputs.get("output_dir") or tempfile.mkdtemp(prefix="dask-rl-run-"))
     out.mkdir(parents=True, exist_ok=True)
     actor_model = inputs.get("actor_model", "tiny")
-    if actor_model == "tiny":  # the quickstart's local model: no hub needed
-        actor_model = str(create_tiny_model(out / "tiny-model", seed=run.train.seed))
+    if actor_model in ("tiny", "tiny-chat"):  # the examples' local models (tiny-chat has a chat template)
+        actor_model = str(create_tiny_model(out / actor_model, seed=run.train.seed, chat=actor_model == "tiny-chat"))
     train = {k: v for k, v in vars(run.train).items() if k != "algorithm"}
     stop = _StopOnSignal()
     try:
         trainer = HybridTrainer(actor_model, reward_model, run.resources, algorithm=run.train.algorithm,
-                                prompts=prompts, critic_model=inputs.get("critic_model"),
+                                prompts=prompts, eval_prompts=eval_prompts, critic_model=inputs.get("critic_model"),
                                 reference_model=inputs.get("reference_model"), output_dir=str(out),
                                 dashboard_address=dashboard_address, scheduler_address=scheduler_address,
                                 resume=resume, host=host, security=security, **train)
@@ -321,6 +325,23 @@ def _show_sample(record, every: int) -> None:
         sample = record.samples[0]
         print(f"dask-rl: step {record.step + 1} sample (reward {sample['reward']:.2f}): "
               f"{sample['prompt']!r} -> {sample['response']!r}", flush=True)
+
+
+def _reward_function(spec, resolve):
+    """A run file's reward: "module:function", or {function: "module:function", kwargs: {...}}
+    whose keywords are bound to it (e.g. a format reward's pattern)."""
+    import functools
+
+    if not isinstance(spec, dict):
+        return resolve(spec)
+    from pipeline.config import TrainConfigError
+
+    unknown = set(spec) - {"function", "kwargs"}
+    kwargs = spec.get("kwargs", {})
+    if unknown or "function" not in spec or not isinstance(kwargs, dict):
+        raise TrainConfigError(f"train.reward_function: {spec!r}: write a reward as 'module:function' or "
+                               f"{{function: 'module:function', kwargs: {{name: value}}}}.")
+    return functools.partial(resolve(spec["function"]), **kwargs)
 
 
 class _StopOnSignal:

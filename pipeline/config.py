@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -107,6 +107,25 @@ class TrainConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     log_samples: int = 4              # prompt/response/reward rows per step written to samples.jsonl
     wandb_project: str = ""           # log to this Weights & Biases project (needs wandb); "" = off
+    # Real tasks. Chat-message prompts are rendered with the tokenizer's chat template (None,
+    # the default); true wraps text prompts as one user message too; false refuses messages.
+    chat_template: bool | None = None
+    system_prompt: str = ""           # put before every conversation without a system message
+    # Reward field name -> the dataset column it is read from ({answer: solution}); the
+    # other columns keep their names. Every field reaches the reward functions.
+    columns: dict[str, str] = field(default_factory=dict)
+    reward_weights: list[float] | None = None   # one weight per reward (default 1 each), as TRL names it
+    # Seconds one reward function call may take before its sample is dropped (the call runs
+    # in a child process that is killed); 0 = no bound, calls run in the worker's thread.
+    reward_timeout: float = 60.0
+    # Held-out evaluation on eval_prompts: every N steps (0 = never) and/or before training,
+    # n samples per prompt, greedy at temperature 0. A sample is correct when its reward is at
+    # least eval_correct_reward (pass@1, pass@n and accuracy are counted from that).
+    eval_every_n_steps: int = 0
+    eval_before_train: bool = False
+    eval_samples_per_prompt: int = 1
+    eval_temperature: float = 0.0
+    eval_correct_reward: float = 1.0
 
     def __post_init__(self):
         for f in fields(self):  # types first, so that the range checks below can compare
@@ -149,6 +168,11 @@ class TrainConfig:
             "reward_errors": (self.reward_errors in ("skip", "raise"), "use skip (drop bad samples) or raise"),
             "long_prompts": (self.long_prompts in ("refuse", "truncate", "drop"), "use refuse, truncate or drop"),
             "log_samples": (self.log_samples >= 0, "use 0 (none) or a number of rows, e.g. 4"),
+            # One call past this holds a child process that long; a day is the most any check needs.
+            "reward_timeout": (0 <= self.reward_timeout <= 86_400, "use 0 (no bound) or seconds up to 86400, e.g. 60"),
+            "eval_every_n_steps": (self.eval_every_n_steps >= 0, "use 0 (never) or a number of steps, e.g. 10"),
+            "eval_samples_per_prompt": (self.eval_samples_per_prompt >= 1, "use 1 or more samples per prompt"),
+            "eval_temperature": (self.eval_temperature >= 0, "use 0 (greedy) or a sampling temperature, e.g. 1.0"),
         }
         for key, (ok, fix) in checks.items():
             if not ok:
@@ -197,7 +221,7 @@ def _check_number(key: str, value: Any, type_name: str) -> None:
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 # Run inputs that may sit in the `train:` section of a run file besides the hyperparameters.
 INPUT_KEYS = ("actor_model", "reward_model", "reward_function", "critic_model", "reference_model",
-              "prompts", "output_dir")
+              "prompts", "eval_prompts", "output_dir")
 
 
 def make_train_config(values: Mapping[str, Any], *, source: str = "trainer arguments",
@@ -224,11 +248,23 @@ def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
         if value is None:
             return None
         type_name = type_name.removesuffix(" | None")
+    if type_name == "dict[str, str]":
+        if not (isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) and k and v
+                                                   for k, v in value.items())):
+            raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should map names to names. "
+                                   f"Fix: write e.g. {key}: {{answer: solution}}.")
+        return dict(value)
+    if type_name == "list[float]":
+        if not (isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+            raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should be a list of finite numbers. "
+                                   f"Fix: write e.g. {key}: [1.0, 0.5].")
+        return [float(v) for v in value]
     expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
     if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
         article = "an" if type_name == "int" else "a"
         raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should be {article} {type_name}. "
-                               f"Fix: write e.g. {key}: {getattr(TrainConfig(), key) or 1!r}.")
+                               f"Fix: write e.g. {key}: {_example(key, type_name)}.")
     if type_name == "float":
         try:
             return float(value)
@@ -236,6 +272,13 @@ def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
             raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} is too large for a float. "
                                    f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}.") from None
     return value
+
+
+def _example(key: str, type_name: str) -> str:
+    default = getattr(TrainConfig(), key)
+    if default is None or default == "":
+        return {"bool": "true", "str": "'...'"}.get(type_name, "1")
+    return repr(default)
 
 
 @dataclass(frozen=True)
@@ -262,10 +305,10 @@ def load_run_file(path: str | os.PathLike) -> RunFile:
                                f"Fix: write the training keys under it, e.g. train: {{steps: 20}}.")
     section = dict(section)
     inputs = {key: section.pop(key) for key in INPUT_KEYS if key in section}
-    for key in ("prompts", "output_dir", "actor_model", "reward_model", "critic_model", "reference_model"):
+    for key in ("prompts", "eval_prompts", "output_dir", "actor_model", "reward_model", "critic_model", "reference_model"):
         value = inputs.get(key)
         # Relative paths in a run file are relative to the file, like any include.
-        if isinstance(value, str) and value not in ("tiny",) and _exists(path.parent / value):
+        if isinstance(value, str) and value not in ("tiny", "tiny-chat") and _exists(path.parent / value):
             inputs[key] = str((path.parent / value).resolve())
     return RunFile(resources, make_train_config(section, source=f"{path}: train"), inputs)
 

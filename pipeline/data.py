@@ -136,6 +136,8 @@ def _parse_line(raw: bytes, where: str, column: str) -> Any:
 
 
 def _row(item: Any, column: str, columns: dict[str, str], where: str) -> PromptRow:
+    if isinstance(item, PromptRow):  # read before (the CLI checks the file first)
+        return item
     if isinstance(item, str):
         if columns:
             raise PromptColumnError(f"{where}: a plain string has no column {next(iter(columns.values()))!r} "

@@ -65,8 +65,11 @@ def publish_step(client: Any, run: str, record: dict, samples: list[dict]) -> No
     publish(STEPS, plain({"run": run, **record, "samples": samples}), client=client)
 
 
-def decode_samples(tokenizer, rollout, scores, n: int = 4) -> list[dict[str, Any]]:
-    """`n` decoded samples of a batch, spread evenly over its rows: prompt, response, reward.
+def decode_samples(tokenizer, rollout, scores, n: int = 4, components: dict | None = None,
+                   row_of: Any = None) -> list[dict[str, Any]]:
+    """`n` decoded samples of a batch, spread evenly over its rows: prompt, response, reward,
+    each reward's own value (`components`: name -> (B,) tensor, None for NaN) and the fields
+    of the sample's row (`row_of`: group id -> a row with `.fields`, or None).
 
     Rows are taken at even strides rather than the best or worst ones, so what is shown is
     what the batch looks like. Padding is dropped; special tokens (EOS) are not shown.
@@ -84,7 +87,17 @@ def decode_samples(tokenizer, rollout, scores, n: int = 4) -> list[dict[str, Any
         samples.append({"row": row, "prompt": tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
                         "response": tokenizer.decode(response.tolist(), skip_special_tokens=True),
                         "reward": float(scores[row])})
+        if components:
+            samples[-1]["rewards"] = {name: _number(values[row]) for name, values in components.items()}
+        source = row_of(int(rollout.group_ids[row])) if row_of is not None else None
+        if source is not None and source.fields:
+            samples[-1]["fields"] = plain(source.fields)
     return samples
+
+
+def _number(value) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
 def announce_worker(worker: Any, role: str) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pipeline import events
 from pipeline.config import TrainConfig
 from pipeline.data import PromptStream
-from pipeline.records import GenerationRequest
+from pipeline.records import GenerationRequest, RewardInputs
 from pipeline.roles import critic, reference, reward, rollout
 
 logger = logging.getLogger("dask_rl")
@@ -69,13 +69,21 @@ class InFlight:
             tag = f"{index}-{shard}"
             generated = fleet.submit("rollout", rollout.generate, request, weights, tag=tag)
             batch.rollouts.append(generated)
-            batch.scores.append(fleet.submit("reward", reward.score, generated, tag=tag))
+            batch.scores.append(fleet.submit("reward", reward.score, generated,
+                                             self._reward_inputs(request.group_ids), tag=tag))
             if "reference" in self.roles:
                 batch.ref_logprobs.append(fleet.submit("reference", reference.ref_logprobs, generated,
                                                        tc.temperature, tag=tag))
             if "critic" in self.roles:
                 batch.values.append(fleet.submit("critic", critic.values, generated, tc.micro_batch_size, tag=tag))
         return batch
+
+    def _reward_inputs(self, draws: list[int]) -> RewardInputs | None:
+        """The original prompt and the fields of each drawn row, by group id (its draw number)."""
+        rows = [self.prompts.row(d) for d in draws]
+        if any(row is None for row in rows):
+            return None
+        return RewardInputs({d: r.prompt for d, r in zip(draws, rows)}, {d: r.fields for d, r in zip(draws, rows)})
 
     def resume_point(self) -> tuple[int, int]:
         """(batch index, prompt position) of the first batch not trained on yet: a resumed run

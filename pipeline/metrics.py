@@ -45,6 +45,8 @@ class StepRecord:
     oom_backoffs: int = 0
     dropped_samples: int = 0          # samples left out as bad (train.reward_errors: skip)
     samples: list[dict] = field(default_factory=list)   # a few {"prompt", "response", "reward"} rows
+    rewards: dict[str, dict[str, float]] = field(default_factory=dict)  # reward name -> {"mean", "std"}
+    evaluation: dict[str, float] = field(default_factory=dict)  # "eval/..." figures finished during the step
 
     def figures(self) -> dict[str, float]:
         """The step's numbers, flat: a line of metrics.jsonl, a TensorBoard scalar each."""
@@ -53,7 +55,10 @@ class StepRecord:
                 "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
                 "staleness": self.staleness, "dropped_samples": self.dropped_samples,
                 "oom_backoffs": self.oom_backoffs, **self.losses,
-                **{f"seconds_{phase}": value for phase, value in self.phases.items()}}
+                **{f"seconds_{phase}": value for phase, value in self.phases.items()},
+                **{f"rewards/{name}/{stat}": value for name, stats in self.rewards.items()
+                   for stat, value in stats.items()},
+                **self.evaluation}
 
     @property
     def tokens_per_second(self) -> float:
@@ -68,6 +73,16 @@ class StepRecord:
         shown = {"reward": f"{self.reward_mean:.3f}", "kl": f"{self.kl_mean:.4f}",
                  "tok/s": f"{self.tokens_per_second:.0f}", "v": str(self.policy_version)}
         return {**shown, "dropped": str(self.dropped_samples)} if self.dropped_samples else shown
+
+
+def reward_figures(components: dict) -> dict[str, dict[str, float]]:
+    """Each reward's mean and population std over the samples it applied to (NaN: None)."""
+    figures = {}
+    for name, values in components.items():
+        applied = values[values.isfinite()].float()
+        figures[name] = ({"mean": float(applied.mean()), "std": float(applied.std(correction=0))} if len(applied)
+                         else {"mean": float("nan"), "std": float("nan")})
+    return figures
 
 
 def sum_stats(items) -> dict[str, float]:

@@ -40,9 +40,23 @@ class RunOutputs:
         self._tensorboard = None
 
     # -- per step ----------------------------------------------------------------------------
-    def samples(self, rollout, scores: torch.Tensor) -> list[dict[str, Any]]:
-        """`log_samples` rows of a step as text, with their rewards (spread over the batch)."""
-        return decode_samples(self.tokenizer, rollout, scores, n=self.train_config.log_samples)
+    def samples(self, rollout, scores, row_of=None) -> list[dict[str, Any]]:
+        """`log_samples` rows of a step as text, with their rewards (spread over the batch) and,
+        with `row_of` (group id -> PromptRow), their rows' fields."""
+        return decode_samples(self.tokenizer, rollout, scores.values, n=self.train_config.log_samples,
+                              components=scores.components, row_of=row_of)
+
+    def log_evaluation(self, figures: dict[str, float]) -> None:
+        """An evaluation that finished after the last step: a line of its own, at the step it evaluated."""
+        step = int(figures["eval/step"])
+        _append(self.dir / "metrics.jsonl", [{"step": step, **figures}])
+        writer = self._writer(step)
+        if writer is not None:
+            for key, value in figures.items():
+                writer.add_scalar(key, value, step)
+            writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(figures, step=step)
 
     def log(self, record: StepRecord) -> None:
         figures = record.figures()

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from pipeline.config import TrainConfig
 from pipeline.models import materialize
+from pipeline.reward_specs import RewardSpec, reward_name, unique_names
 from pipeline.roles import actor, critic, reference, reward, rollout
 from pipeline.roles.saved_state import recovery_path
 from resources.config import ResourceConfig
@@ -31,12 +32,8 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
                                    dtype=tc.dtype, gradient_checkpointing=tc.gradient_checkpointing,
                                    recovery_path=recovery_path(snapshot_dir, "actor")),
     }
-    if callable(reward_model) and not hasattr(reward_model, "save_pretrained"):
-        recipes["reward"] = functools.partial(reward.RewardRole, actor_dir, function=reward_model)
-    else:
-        recipes["reward"] = functools.partial(reward.RewardRole, actor_dir,
-                                              model_dir=materialize(reward_model, output_dir / "reward-init",
-                                                                    key="reward_model"))
+    recipes["reward"] = functools.partial(reward.RewardRole, actor_dir, timeout=tc.reward_timeout,
+                                          rewards=reward_specs(reward_model, tc.reward_weights, output_dir))
     if "reference" in roles:
         recipes["reference"] = functools.partial(reference.ReferenceRole, model_dir(reference_model, "reference"),
                                                  dtype=tc.dtype, micro_batch_size=tc.micro_batch_size)
@@ -46,3 +43,28 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
             strategy=placement.role("critic").strategy, grad_clip=tc.grad_clip,
             gradient_checkpointing=tc.gradient_checkpointing, recovery_path=recovery_path(snapshot_dir, "critic"))
     return recipes
+
+
+def reward_specs(rewards: Any, weights: list[float] | None, output_dir: Path) -> list[RewardSpec]:
+    """One RewardSpec per reward of `rewards` (a function, a reward model, or a list of them),
+    weighted by train.reward_weights; reward models given as paths, hub ids or objects are
+    checked (and objects saved) here, before any worker starts."""
+    items = list(rewards) if isinstance(rewards, (list, tuple)) else [rewards]
+    if not items:
+        raise ValueError("reward_model: the list of rewards is empty. Fix: give at least one reward function "
+                         "or reward model.")
+    if weights is not None and len(weights) != len(items):
+        raise ValueError(f"train.reward_weights: {len(weights)} weights for {len(items)} rewards. Fix: give one "
+                         f"weight per reward, in the order of the rewards.")
+    is_function = [callable(item) and not hasattr(item, "save_pretrained") for item in items]
+    names = unique_names([reward_name(item) if function else "reward_model"
+                          for item, function in zip(items, is_function)])
+    specs = []
+    for i, (item, function, name) in enumerate(zip(items, is_function, names)):
+        weight = 1.0 if weights is None else weights[i]
+        if function:
+            specs.append(RewardSpec(name, weight, function=item))
+        else:
+            where = output_dir / ("reward-init" if i == 0 else f"reward-init-{i}")
+            specs.append(RewardSpec(name, weight, model_dir=materialize(item, where, key="reward_model")))
+    return specs

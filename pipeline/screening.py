@@ -52,8 +52,8 @@ class SampleScreen:
 
 
 def screen_samples(rollout: Rollout, scores: Scores, per_token: dict[str, torch.Tensor], screen: SampleScreen
-                   ) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], int]:
-    """(rollout, scores (B',), per_token, dropped): the step's samples without the bad ones.
+                   ) -> tuple[Rollout, Scores, dict[str, torch.Tensor], int]:
+    """(rollout, scores (B' rows), per_token, dropped): the step's samples without the bad ones.
 
     `per_token` holds (B, R) tensors such as ref_logprobs and values; a sample is bad when
     the reward role reported it or a per-token value on its response tokens is not finite.
@@ -61,7 +61,7 @@ def screen_samples(rollout: Rollout, scores: Scores, per_token: dict[str, torch.
     problems = list(scores.problems) + _non_finite(rollout, {"behavior_logprobs": rollout.behavior_logprobs,
                                                              **per_token})
     rows = _kept_rows(rollout, problems, screen)
-    return (rollout.select(rows), scores.values[rows], {k: v[rows] for k, v in per_token.items()},
+    return (rollout.select(rows), scores.select(rows), {k: v[rows] for k, v in per_token.items()},
             len(rollout) - len(rows))
 
 

@@ -17,10 +17,11 @@ from tqdm.auto import tqdm
 
 from pipeline import events, monitor, weights
 from pipeline.config import make_train_config
-from pipeline.data import PromptStream, encode_prompts, fit_to_context, read_prompts
+from pipeline.chat import prompt_stream
 from pipeline.engines import vllm as vllm_engine
+from pipeline.evaluation import Evaluation
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
-from pipeline.metrics import PhaseTimer, StepRecord
+from pipeline.metrics import PhaseTimer, StepRecord, reward_figures
 from pipeline.models import context_length, load_tokenizer, materialize
 from pipeline.outputs import RunOutputs
 from pipeline.recipes import role_recipes
@@ -41,11 +42,14 @@ class HybridTrainer:
 
     Args:
         actor_model: local path, hub id or a transformers model object (the policy).
-        reward_model: a function (prompt, response) -> float, or a sequence-classification
-            reward model (path, hub id or object).
+        reward_model: a reward function (per sample, `(prompt, response, **fields) -> float | None`,
+            or TRL's batched `(prompts, completions, **columns) -> list`), a sequence-classification
+            reward model (path, hub id or object), or a list of them (weighted by train.reward_weights).
         config: the ResourceConfig saying which devices each role uses.
         algorithm: "ppo" or "grpo".
-        prompts: list of strings, .jsonl/.parquet path, or a datasets.Dataset.
+        prompts: list of strings or rows, .jsonl/.parquet path, or a datasets.Dataset; a row's
+            prompt is text or a list of chat messages, its other fields reach the rewards.
+        eval_prompts: held-out prompts in the same forms, evaluated every train.eval_every_n_steps.
         critic_model / reference_model: default to the actor's initial weights.
         tokenizer: the policy's tokenizer, if it is not saved beside `actor_model`.
         cluster: an existing RoleCluster to run on (tests share one); else one is started.
@@ -64,7 +68,8 @@ class HybridTrainer:
                  reference_model: Any = None, tokenizer: Any = None, output_dir: str | None = None,
                  cluster: RoleCluster | None = None, scheduler_address: str | None = None,
                  dashboard_address: str = ":8787", host: str = "127.0.0.1", security: Any = None,
-                 show_progress: bool = True, resume: str | bool | None = None, **train: Any):
+                 show_progress: bool = True, resume: str | bool | None = None, eval_prompts: Any = None,
+                 **train: Any):
         self.train_config = tc = make_train_config({"algorithm": algorithm, **train})
         uses_vllm = config.role("rollout").strategy == "vllm"
         if uses_vllm and cluster is None and scheduler_address is None:
@@ -76,10 +81,13 @@ class HybridTrainer:
         self.output_dir = Path(output_dir or tempfile.mkdtemp(prefix="dask-rl-"))
         self.actor_dir = materialize(actor_model, self.output_dir / "actor-init", tokenizer)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_dir)
-        texts = read_prompts(prompts, tc.prompt_column)
-        token_ids = fit_to_context(encode_prompts(self.tokenizer, texts), context_length(self.actor_dir),
-                                   tc.max_new_tokens, tc.long_prompts, source=prompts)
-        self.prompts = PromptStream(token_ids, seed=tc.seed)
+        context = context_length(self.actor_dir)
+        self.prompts = prompt_stream(prompts, self.tokenizer, tc, context, self.actor_dir)
+        if (tc.eval_every_n_steps or tc.eval_before_train) and eval_prompts is None:
+            raise ValueError("train.eval_every_n_steps / eval_before_train: no eval_prompts to evaluate on. Fix: give "
+                             "eval_prompts (the same forms as prompts), or leave evaluation off.")
+        eval_stream = None if eval_prompts is None else prompt_stream(eval_prompts, self.tokenizer, tc, context,
+                                                                      self.actor_dir)
         self.show_progress = show_progress
         self.history: list[StepRecord] = []
         self.stop_requested = False
@@ -103,6 +111,7 @@ class HybridTrainer:
                                snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
         self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
+        self.evaluation = None if eval_stream is None else Evaluation(self.fleet, eval_stream, tc)
         self.update = PolicyUpdate(self.fleet, tc, self.roles)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
         link = self.fleet.cluster.dashboard_link
@@ -147,6 +156,9 @@ class HybridTrainer:
                         self.save_checkpoint()
                     if self.stop_requested:
                         break
+            if self.evaluation is not None:  # the last evaluation's figures, written on their own line
+                for figures in self.evaluation.finished(wait=True):
+                    self.outputs.log_evaluation(figures)
         finally:
             self.stop_adapting()
         return self.history[done:]
@@ -158,6 +170,10 @@ class HybridTrainer:
         #    (also those asked for from a shell with `dask-rl scale`).
         with timer("resize"):
             self.fleet.at_boundary()
+        # 0b. Held-out evaluation of these weights when due: futures beside training, at a
+        #     lower priority; figures of evaluations that have finished join this step's record.
+        with timer("evaluate"):
+            evaluated = self._evaluate()
         # 1. Take the oldest in-flight batch, then keep `max_staleness` newer ones generating
         #    with the current weights while this one is trained on (0 = strictly on-policy).
         with timer("wait_rollout"):
@@ -173,11 +189,12 @@ class HybridTrainer:
             # Samples with a non-finite reward, logprob or value: dropped or refused (train.reward_errors).
             screen = self._screen()
             rollout_data, scores, per_token, dropped = screen_samples(rollout_data, scores, per_token, screen)
+            rewards = reward_figures(scores.components)  # each reward's mean and std
         # 3. Advantages on the driver: small CPU tensors, pure math. Without a reference
         #    model (kl_coef 0) the behaviour logprobs stand in: the KL is exactly 0.
         with timer("advantages"):
             experience, stats = checked_experience(
-                rollout_data, scores, per_token.get("ref_logprobs", rollout_data.behavior_logprobs),
+                rollout_data, scores.values, per_token.get("ref_logprobs", rollout_data.behavior_logprobs),
                 per_token.get("values"), screen, algorithm=tc.algorithm, kl_coef=tc.kl_coef, gamma=tc.gamma,
                 lam=tc.lam, group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages)
         # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
@@ -188,7 +205,8 @@ class HybridTrainer:
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
                             reward_std=stats["reward_std"], dropped_samples=dropped + stats["dropped_samples"],
-                            samples=self.outputs.samples(rollout_data, scores))
+                            samples=self.outputs.samples(rollout_data, scores, self.prompts.row),
+                            rewards=rewards, evaluation=evaluated)
         # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).
         degraded = self.fleet.degradations()
         record.degradations = [d.line() for d in degraded]
@@ -198,6 +216,17 @@ class HybridTrainer:
         # The RL page's and /metrics' figures: one small message per step.
         events.publish_step(self.fleet.client, self.run_id, record.as_dict(), record.samples)
         return record
+
+    def _evaluate(self) -> dict[str, float]:
+        """Submit an evaluation when due; the figures of those finished since the last step."""
+        if self.evaluation is None:
+            return {}
+        if self.evaluation.due(self.first_step + len(self.history), first=not self.history):
+            self.evaluation.submit(self.first_step + len(self.history), self.version, self.weights)
+        *earlier, last = self.evaluation.finished() or [{}]
+        for figures in earlier:  # two finished within one step: the older on a line of its own
+            self.outputs.log_evaluation(figures)
+        return last
 
     def _screen(self) -> SampleScreen:
         """This step's rules for bad samples; every rank of the update needs a row of each mini-batch."""
@@ -255,6 +284,8 @@ class HybridTrainer:
             self.outputs.close(self.fleet)
         finally:
             self.batches.cancel()
+            if self.evaluation is not None:
+                self.evaluation.cancel()
             self.fleet.close()
 
     def __enter__(self) -> HybridTrainer:

@@ -105,8 +105,9 @@ class Fleet:
     def addresses(self, role: str) -> list[str]:
         return [w["address"] for w in self.cluster.workers_of(role)]
 
-    def submit(self, role: str, fn: Callable, *args: Any, tag: str = "", workers: list[str] | None = None):
-        future = submit(self.client, role, fn, *args, tag=tag, workers=workers)
+    def submit(self, role: str, fn: Callable, *args: Any, tag: str = "", workers: list[str] | None = None,
+               priority: int = 0):
+        future = submit(self.client, role, fn, *args, tag=tag, workers=workers, priority=priority)
         if workers:
             self._pinned[future.key] = tuple(workers)
         return future
