@@ -45,7 +45,7 @@ def test_nothing_bad_keeps_every_row_unchanged():
     rollout, values = _rollout(), torch.zeros(6, 2)
     kept, scores, per_token, dropped = screen_samples(rollout, _scores(), {"values": values}, SampleScreen())
     assert dropped == 0 and len(kept) == 6
-    assert_close(scores, torch.tensor(SCORES))
+    assert_close(scores.values, torch.tensor(SCORES))
     assert kept.input_ids.equal(rollout.input_ids) and per_token["values"].equal(values)
 
 
@@ -57,7 +57,7 @@ def test_ppo_drops_only_the_bad_row_and_logs_it_with_its_texts(caplog):
     assert dropped == 1
     assert kept.group_ids.tolist() == [7, 7, 8, 9, 9]
     assert kept.input_ids[:, 0].tolist() == [0, 10, 30, 40, 50]  # row 2 is gone, the rest in order
-    assert_close(scores, torch.tensor([1.0, 0.0, 4.0, 3.0, 5.0]))
+    assert_close(scores.values, torch.tensor([1.0, 0.0, 4.0, 3.0, 5.0]))
     assert per_token["values"][:, 0].tolist() == [0, 2, 6, 8, 10]
     assert f"dropped reward: {error}; prompt 'prompt 2', response 'response 2'" in caplog.text
     assert "dropped 1 of 6 samples" in caplog.text
@@ -69,7 +69,7 @@ def test_grpo_drops_the_whole_group_of_a_bad_sample_wherever_its_rows_are():
                                               SampleScreen(by_group=True))
     assert dropped == 2  # row 3 and its group mate, row 1
     assert kept.group_ids.tolist() == [9, 8, 9, 8]
-    assert_close(scores, torch.tensor([1.0, 2.0, 3.0, 5.0]))
+    assert_close(scores.values, torch.tensor([1.0, 2.0, 3.0, 5.0]))
 
 
 def test_non_finite_values_on_response_tokens_are_bad_and_padding_is_not(caplog):
