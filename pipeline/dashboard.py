@@ -187,6 +187,7 @@ class RLPage:
         self.lag.line("step", "staleness", source=self.steps, color="#ff7f0e")
         self.losses = self._figure("Losses and update statistics", "value")
         self.throughput = self._figure("Tokens/s per role (per second of the role's task compute)", "tokens/s")
+        self.components = self._figure("Each reward's mean, and held-out evaluation", "value")
 
         def table(source, columns, height):
             return DataTable(source=source, height=height, sizing_mode="stretch_width", index_position=None,
@@ -195,7 +196,7 @@ class RLPage:
 
         self.root = column(
             self.header, row(self.reward, self.kl, self.lag, sizing_mode="stretch_width"),
-            row(self.losses, self.throughput, sizing_mode="stretch_width"),
+            row(self.losses, self.throughput, self.components, sizing_mode="stretch_width"),
             Div(text="<b>Role workers</b>"), table(self.workers, WORKER_TABLE, 240),
             Div(text="<b>Latest samples</b>"), table(self.samples, SAMPLE_TABLE, 150),
             Div(text="<b>Scaling, OOM-backoff and fault events</b>"), table(self.events, EVENT_TABLE, 200),
@@ -275,7 +276,12 @@ class RLPage:
                 role = column[4:]
                 self.throughput.line("step", column, source=self.steps, color=ROLE_COLOURS.get(role, "#7f7f7f"),
                                      line_width=2, legend_label=role, name=column)
-        for fig in (self.losses, self.throughput):
+            elif column.startswith(("rew:", "eval:")):  # a reward's mean a line; evaluations points
+                colour = LINE_COLOURS[len(self.components.renderers) % len(LINE_COLOURS)]
+                draw = self.components.line if column.startswith("rew:") else self.components.scatter
+                draw("step", column, source=self.steps, color=colour, legend_label=column, name=column,
+                     **({"line_width": 2} if column.startswith("rew:") else {"size": 8}))
+        for fig in (self.losses, self.throughput, self.components):
             if fig.legend:
                 fig.legend.location, fig.legend.label_text_font_size = "top_left", "8pt"
 
@@ -319,6 +325,9 @@ def _step_row(step: dict) -> dict:
     row.update({f"loss:{k}": number(v) for k, v in (step.get("losses") or {}).items()})
     row.update({f"tps:{role}": number((step.get("role_tokens_per_second") or {}).get(role))
                 for role in ROLES if role in (step.get("role_tokens_per_second") or {})})
+    row.update({f"rew:{name}": number(stats.get("mean")) for name, stats in (step.get("rewards") or {}).items()})
+    row.update({f"eval:{key[5:]}": number(value) for key, value in (step.get("evaluation") or {}).items()
+                if key in ("eval/accuracy", "eval/pass@1", "eval/reward")})
     return row
 
 

@@ -248,6 +248,15 @@ class RLCollector:
             yield _labelled(GaugeMetricFamily(PREFIX + "role_tokens_per_second", "tokens of the last step per "
                                               "second of the role's task compute time", labels=["role"]),
                             last.get("role_tokens_per_second"))
+            for stat in ("mean", "std"):
+                yield _labelled(GaugeMetricFamily(PREFIX + f"rewards_{stat}", f"each reward's {stat} over the last "
+                                                  "step's samples it applied to", labels=["name"]),
+                                {name: stats.get(stat) for name, stats in (last.get("rewards") or {}).items()})
+        evaluated = next((step["evaluation"] for step in reversed(monitor.steps) if step.get("evaluation")), None)
+        if evaluated:
+            yield _labelled(GaugeMetricFamily(PREFIX + "eval", "figures of the last finished held-out evaluation",
+                                              labels=["figure"]),
+                            {key.removeprefix("eval/"): value for key, value in evaluated.items()})
         yield CounterMetricFamily(PREFIX + "steps", "training steps reported to this scheduler",
                                   value=monitor.steps_total)
         yield _labelled(CounterMetricFamily(PREFIX + "events", "scaling, OOM-backoff and fault events",

@@ -169,3 +169,47 @@ def test_eval_figures_count_correct_samples_per_prompt():
     assert figures["eval/pass@3"] == pytest.approx(0.5)
     assert figures["eval/reward"] == pytest.approx(3 / 5)  # the NaN left out
     assert figures["eval/rewards/accuracy/mean"] == pytest.approx(2 / 5)
+
+
+# -- through the trainer -----------------------------------------------------------------------
+def first_digit_is_answer(prompt, response, *, answer, **_):
+    digits = [ch for ch in response if ch.isdigit()]
+    return 1.0 if digits and digits[0] == answer else 0.0
+
+
+def test_chat_rows_train_with_answers_and_evaluation_runs_while_async_training_goes_on(
+        shared_cluster, shared_config, chat_model, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"repeat {d}"}], "answer": str(d), "tag": f"t{d}"}
+            for d in range(8)]
+
+    def answers_seen(prompts, completions, answer, tag, **_):  # TRL's convention, on the reward worker
+        # 0.1 where the sample got its own row's answer and tag with the conversation it answers.
+        return [0.1 if p[0]["content"] == f"repeat {a}" and t == f"t{a}" else -5.0
+                for p, a, t in zip(prompts, answer, tag)]
+
+    from pipeline.trainer import HybridTrainer
+
+    out = tmp_path / "run"
+    with HybridTrainer(chat_model, [first_digit_is_answer, answers_seen], shared_config, algorithm="grpo",
+                       prompts=rows, eval_prompts=rows[:4], cluster=shared_cluster, steps=4, samples_per_prompt=2,
+                       prompts_per_step=4, max_new_tokens=4, kl_coef=0.0, max_staleness=1, eval_before_train=True,
+                       eval_every_n_steps=2, eval_samples_per_prompt=2, eval_temperature=1.0,
+                       reward_weights=[1.0, 2.0], output_dir=str(out), show_progress=False) as trainer:
+        history = trainer.train()
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "reward" in line]
+    assert len(steps) == 4 == len(history)
+    for line, record in zip(steps, history):
+        # Every sample saw its own row (0.1); the step's reward is 1 x first_digit_is_answer + 2 x 0.1.
+        assert line["rewards/answers_seen/mean"] == pytest.approx(0.1)
+        assert line["reward"] == pytest.approx(line["rewards/first_digit_is_answer/mean"] + 0.2, abs=1e-6)
+        assert record.rewards["first_digit_is_answer"]["mean"] == line["rewards/first_digit_is_answer/mean"]
+    evaluations = [line for line in lines if "eval/accuracy" in line]
+    # Before training (step 0) and after 2 steps; training did not wait for either to finish.
+    assert sorted(int(line["eval/step"]) for line in evaluations) == [0, 2]
+    for line in evaluations:
+        assert line["eval/samples"] == 8 and 0 <= line["eval/pass@1"] <= line["eval/pass@2"] <= 1
+        assert line["eval/rewards/answers_seen/mean"] == pytest.approx(0.1)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["fields"]["tag"] == f"t{s['fields']['answer']}" and set(s["rewards"]) ==
+                           {"first_digit_is_answer", "answers_seen"} for s in samples)
