@@ -159,6 +159,10 @@ class _Batch:
 
     def run(self) -> list[Result]:
         children = self.owner._children
+        for child in children:   # a batch cut short (KeyboardInterrupt) left a call running there
+            if child.task is not None:
+                child.stop()
+                child.task = None
         while self.waiting or any(c.task for c in children):
             for child in children:
                 if child.task is None and self.waiting:
@@ -169,13 +173,17 @@ class _Batch:
     def _give_work(self, child: _Child) -> None:
         child.ensure_running(self.owner._context)
         if self.digest not in child.loaded:
-            child.send(("load", self.digest, self.payload), ("load", None), self.owner.load_timeout)
+            try:
+                child.send(("load", self.digest, self.payload), ("load", None), self.owner.load_timeout)
+            except OSError:
+                self._fail_waiting(f"the function could not be loaded in a child process: it died as it "
+                                   f"started ({child.stop()})")
             return
         index = self.waiting.popleft()
         args, kwargs = self.calls[index]
         try:
             child.send(("call", self.digest, args, kwargs), ("call", index), self.owner.timeout)
-        except (BrokenPipeError, ConnectionError):   # it died just now, before the call reached it
+        except OSError:   # it died just now, before the call reached it
             self.results[index] = (None, f"the child process died before the call ({child.stop()})")
         except Exception as error:   # the arguments cannot be pickled
             self.results[index] = (None, f"the call cannot be sent to a child process: {_describe(error)}")
