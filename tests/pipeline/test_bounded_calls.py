@@ -26,7 +26,8 @@ from resources.cluster import submit
 # The helpers below travel by value: neither a child nor a Dask worker imports this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-GENEROUS = 60.0   # a bound no healthy call comes near, even on a loaded two-core machine
+GENEROUS = 120.0  # a bound no healthy call comes near, even on a two-core machine loaded 20 times over
+SHORT = 10        # the timeout for calls meant to run past it (they sleep 600 s)
 
 
 def nap(seconds: float) -> float:
@@ -103,14 +104,14 @@ def no_args(*values) -> list[tuple[tuple, dict]]:
 # ------------------------------------------------------------------------------------------
 
 def test_a_call_past_the_timeout_costs_that_call_only():
-    with BoundedCalls(timeout=2) as calls:
+    with BoundedCalls(timeout=SHORT) as calls:
         [(first_pid, _)] = calls.run(child_pid, [((), {})])
         began = time.monotonic()
         results = calls.run(nap, no_args(0, 600, 0.01, 0))
         took = time.monotonic() - began
         [(second_pid, _)] = calls.run(child_pid, [((), {})])
-    assert results == [(0, None), (None, "timed out after 2 s"), (0.01, None), (0, None)]
-    assert took < GENEROUS          # bounded: the 600 s call cost 2 s plus a fresh child's start
+    assert results == [(0, None), (None, f"timed out after {SHORT} s"), (0.01, None), (0, None)]
+    assert took < GENEROUS          # bounded: the 600 s call cost 10 s plus a fresh child's start
     assert first_pid != second_pid  # the sleeper's child was killed and replaced ...
     assert not exists(first_pid)    # ... and reaped, not left a zombie
 
@@ -226,8 +227,9 @@ def test_processes_run_calls_in_parallel(tmp_path):
     with BoundedCalls(timeout=GENEROUS, processes=2) as calls:
         results = calls.run(meet, [((str(tmp_path), "a", 1), {}), ((str(tmp_path), "b", 1), {})])
     assert results == [("met", None), ("met", None)]
-    with BoundedCalls(timeout=2, processes=2) as calls:   # a timeout in one child spares the other's calls
-        assert calls.run(nap, no_args(600, 0, 0, 0)) == [(None, "timed out after 2 s"), (0, None), (0, None), (0, None)]
+    with BoundedCalls(timeout=SHORT, processes=2) as calls:   # a timeout in one child spares the other's calls
+        assert calls.run(nap, no_args(600, 0, 0, 0)) == [(None, f"timed out after {SHORT} s"), (0, None), (0, None),
+                                                         (0, None)]
 
 
 # math_accuracy through BoundedCalls, here and in a Dask worker ---------------------------------
@@ -281,19 +283,21 @@ def test_start_time_and_per_call_overhead(measured):
              f"{bounded * 1000:.0f} ms = {(bounded - in_process) / 256 * 1e6:.0f} us overhead per call")
 
 
-def scores_in_a_worker(calls: list, timeout: float) -> dict:
+def scores_in_a_worker(calls: list) -> dict:
     """Task: the math batch, a hanging call and a SIGALRM call through BoundedCalls, in a
-    worker's task thread; what was left running once it closed."""
-    with BoundedCalls(timeout=timeout, processes=2) as bounded:
+    worker's task thread; what was left running once they closed."""
+    with BoundedCalls(timeout=GENEROUS, processes=2) as bounded:
         began = time.perf_counter()
         bounded.run(math_accuracy, calls[:2])   # both children start and load math-verify
         started = time.perf_counter() - began
         began = time.perf_counter()
         scores = bounded.run(math_accuracy, calls)
         took = time.perf_counter() - began
-        hang = bounded.run(nap, no_args(600, 0))
         alarm = bounded.run(interrupted_by_alarm, [((), {})])
         pids = bounded.child_pids()
+    with BoundedCalls(timeout=SHORT) as bounded:
+        hang = bounded.run(nap, no_args(600, 0))
+        pids += bounded.child_pids()
     return {"scores": scores, "started": started, "took": took, "hang": hang, "alarm": alarm,
             "main_thread": threading.current_thread() is threading.main_thread(),
             "left": [p for p in pids if exists(p)] + [c.pid for c in multiprocessing.active_children()]}
@@ -301,10 +305,10 @@ def scores_in_a_worker(calls: list, timeout: float) -> dict:
 
 def test_bounded_calls_in_a_dask_worker_task_thread(shared_cluster, measured):
     calls, expected = math_batch()
-    out = submit(shared_cluster.client, "reward", scores_in_a_worker, calls, 20.0, tag="bounded").result(timeout=300)
+    out = submit(shared_cluster.client, "reward", scores_in_a_worker, calls, tag="bounded").result(timeout=500)
     assert out["main_thread"] is False   # a task thread, where signal.alarm would raise
     assert out["scores"] == [(value, None) for value in expected]
-    assert out["hang"] == [(None, "timed out after 20 s"), (0, None)]
+    assert out["hang"] == [(None, f"timed out after {SHORT} s"), (0, None)]
     assert out["alarm"] == [("the alarm cut the sleep short", None)]
     assert out["left"] == []
     measured(f"in a Dask worker's task thread, processes=2: children start + load math-verify "
