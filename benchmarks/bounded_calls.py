@@ -71,7 +71,8 @@ def main() -> None:
         print(f"{method:>10}: start {figures['start']:.2f} s, start + math-verify "
               f"{figures['start + math-verify']:.2f} s, per call {figures['per call'] * 1e6:.0f} us, "
               f"after a timeout +{figures['after a timeout']:.2f} s")
-    print("math_accuracy x256, warm: " + ", ".join(f"{name} {value:.2f} s" for name, value in math_throughput().items()))
+    figures = math_throughput().items()
+    print("math_accuracy x256, warm: " + ", ".join(f"{name} {value:.2f} s" for name, value in figures))
 
 
 if __name__ == "__main__":

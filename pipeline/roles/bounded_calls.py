@@ -10,11 +10,13 @@ call in progress; that child is killed and a fresh one serves the calls that rem
 Start method: spawn. The parent is a multi-threaded Dask worker that has imported torch,
 where fork would copy locks other threads hold. spawn rather than forkserver: forkserver's
 server is shared by every library in the process and its preload list is process-wide
-state, while a spawned child is this module's alone, a direct child that join() reaps.
-Its price, a fresh interpreter that imports the function's modules, is paid when the
-owner starts and again only after a timeout or a crash (figures in tests/pipeline/
-test_bounded_calls.py). Calls run in the child's main thread, so a function may use SIGALRM
-(math-verify's own timeouts do).
+state, while a spawned child is this module's alone, a direct child that join() reaps; and
+forkserver started no faster here, since its children too import the parent's main module
+again and the function's modules (benchmarks/bounded_calls.py measures both). That price,
+a fresh interpreter (under a second on two cores, plus a torch-importing main script's
+imports), is paid when the owner starts and again only after a timeout or a crash; a call
+costs a round trip on a pipe (about 0.1 to 0.4 ms). Calls run in the child's main thread,
+so a function may use SIGALRM (math-verify's own timeouts do).
 
 This module imports only the standard library and cloudpickle: a child starts light.
 """
@@ -49,7 +51,9 @@ class BoundedCalls:
     each call going to a free one. `load_timeout`: seconds a child may take to start and
     import a function's modules (not counted in any call's `timeout`).
     One batch at a time: `run` from several threads takes turns. Close it (or use `with`)
-    to end the children; it is also closed when garbage-collected or at exit.
+    to end the children; it is also closed when garbage-collected or at exit. Children are
+    daemonic, so a function cannot start multiprocessing children of its own there (it may
+    start subprocesses); give such a function timeout 0.
     """
 
     def __init__(self, timeout: float | None, *, processes: int = 1, start_method: str = "spawn",
@@ -119,7 +123,11 @@ class _Child:
         if self.process is not None:   # died while idle (OOM killer, a stray alarm): reap, replace
             self.stop()
         parent_end, child_end = context.Pipe()
-        process = context.Process(target=_serve, args=(child_end,), name="dask-rl-bounded-calls")
+        # Daemonic: a worker process runs multiprocessing's exit handler as soon as its work
+        # returns, before any atexit hook, and it joins every non-daemonic child, which would
+        # wait forever on a child whose owner never closed it; daemonic children it ends first.
+        process = context.Process(target=_serve, args=(child_end,), name="dask-rl-bounded-calls",
+                                  daemon=True)
         try:
             process.start()
         finally:

@@ -222,6 +222,39 @@ def test_a_child_does_not_outlive_a_parent_killed_outright(tmp_path):
     assert not running(pid)
 
 
+def test_an_owner_process_that_never_closes_still_exits(tmp_path):
+    # A Dask worker is such a process: multiprocessing's exit handler runs as its work returns
+    # and joins its non-daemonic children, so children left open must not be among them.
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, os, signal
+        from pipeline.roles.bounded_calls import BoundedCalls
+
+        HELD = []   # as a worker plugin holds the reward role's calls for the whole run
+
+        def owner(report):
+            HELD.append(BoundedCalls(timeout=600))
+            report.send(HELD[0].run(os.getpid, [((), {})])[0][0])   # returns without close()
+
+        if __name__ == "__main__":
+            context = multiprocessing.get_context("spawn")
+            receive, report = context.Pipe(duplex=False)
+            process = context.Process(target=owner, args=(report,))
+            process.start()
+            pid = receive.recv()
+            process.join(timeout=120)
+            print(pid, process.exitcode)
+            if process.exitcode is None:   # the failure this test is for: leave no process behind
+                os.kill(pid, signal.SIGKILL)
+                process.kill()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    pid, exit_code = done.stdout.split()
+    assert exit_code == "0"          # not "None": the owner did not hang at exit
+    assert not running(int(pid))
+
+
 def test_processes_run_calls_in_parallel(tmp_path):
     # Two calls that each wait for the other: they can only both return "met" in two processes.
     with BoundedCalls(timeout=GENEROUS, processes=2) as calls:
