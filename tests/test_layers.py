@@ -19,7 +19,7 @@ DRIVER = ("pipeline.cli", "pipeline.trainer", "pipeline.inflight", "pipeline.rec
 # Pure modules the worker side builds on: they import neither the roles nor the driver.
 PURE = ("pipeline/algorithms.py", "pipeline/records.py", "pipeline/models.py", "pipeline/experience.py",
         "pipeline/metrics.py", "pipeline/screening.py", "pipeline/checkpoint.py", "pipeline/events.py",
-        "pipeline/monitor.py", "pipeline/dashboard.py")
+        "pipeline/monitor.py", "pipeline/dashboard.py", "pipeline/rewards.py")
 
 
 def imported_modules(path: Path, root: Path = ROOT, runtime_only: bool = False) -> set[str]:
