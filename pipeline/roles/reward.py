@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 from typing import Any, Callable
 
 import torch
@@ -48,7 +49,9 @@ class RewardRole:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.device = device
         self.batch_size = batch_size
-        self.calls = BoundedCalls(timeout)
+        # Calls in child processes, one per two of this worker's cores: a batch of math checks
+        # spreads over them; a hung or crashed call is killed and costs its own sample only.
+        self.calls = BoundedCalls(timeout, processes=max(1, min(4, (os.cpu_count() or 2) // 2)))
         self.models = {spec.name: (load_sequence_scorer(spec.model_dir, device=device), load_tokenizer(spec.model_dir))
                        for spec in rewards if spec.model_dir is not None}
 
@@ -96,10 +99,12 @@ class RewardRole:
         """TRL's convention: one call for the shard, keyword arguments only."""
         offered = {"prompts": samples.prompts, "completions": samples.completions(), **samples.columns()}
         [(values, error)] = self.calls.run(spec.function, [((), accepted_keywords(spec.function, offered))])
-        if error is None and not (isinstance(values, (list, tuple)) and len(values) == samples.rows):
-            error = (f"returned {shorten(repr(values))}, not a list of {samples.rows} values (one per completion)")
         if error is not None:
-            return [None] * samples.rows, [f"the reward function {error}"] * samples.rows
+            return [None] * samples.rows, [_checked(None, error, "the reward function")[1]] * samples.rows
+        if not (isinstance(values, (list, tuple)) and len(values) == samples.rows):
+            error = f"the reward function returned {shorten(repr(values))}, not a list of {samples.rows} values " \
+                    f"(one per completion)"
+            return [None] * samples.rows, [error] * samples.rows
         checked = [_checked(value, None, "the reward function") for value in values]
         return [v for v, _ in checked], [e for _, e in checked]
 
@@ -144,8 +149,9 @@ class _Samples:
 
 def _checked(value: Any, error: str | None, what: str) -> tuple[float | None, str | None]:
     """(a finite float or None, None) or (None, what went wrong)."""
-    if error is not None:
-        return None, f"{what} {error}" if not error.startswith(what) else error
+    if error is not None:  # an exception's text, "timed out after N s" or how the child died
+        raised = not error.startswith(("timed out", "the child process"))
+        return None, shorten(f"{what} {'raised ' if raised else ''}{error}", 300)
     if value is None:
         return None, None
     problem = _bad_score(value)
