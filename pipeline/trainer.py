@@ -21,7 +21,7 @@ from pipeline.data import PromptStream, encode_prompts, fit_to_context, read_pro
 from pipeline.engines import vllm as vllm_engine
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
 from pipeline.metrics import PhaseTimer, StepRecord
-from pipeline.models import context_length, load_tokenizer, materialize
+from pipeline.models import context_length, load_tokenizer, materialize, stop_token_ids
 from pipeline.outputs import RunOutputs
 from pipeline.recipes import role_recipes
 from pipeline.inflight import InFlight
@@ -76,6 +76,7 @@ class HybridTrainer:
         self.output_dir = Path(output_dir or tempfile.mkdtemp(prefix="dask-rl-"))
         self.actor_dir = materialize(actor_model, self.output_dir / "actor-init", tokenizer)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_dir)
+        self.stop_token_ids = stop_token_ids(self.actor_dir, self.tokenizer)  # every EOS the model lists
         texts = read_prompts(prompts, tc.prompt_column)
         token_ids = fit_to_context(encode_prompts(self.tokenizer, texts), context_length(self.actor_dir),
                                    tc.max_new_tokens, tc.long_prompts, source=prompts)
@@ -102,7 +103,7 @@ class HybridTrainer:
                                critic_model=critic_model, reference_model=reference_model,
                                snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
-        self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
+        self.batches = InFlight(self.fleet, self.prompts, tc, self.roles, self.stop_token_ids)
         self.update = PolicyUpdate(self.fleet, tc, self.roles)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
         link = self.fleet.cluster.dashboard_link
@@ -187,7 +188,8 @@ class HybridTrainer:
                             reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
-                            reward_std=stats["reward_std"], dropped_samples=dropped + stats["dropped_samples"],
+                            reward_std=stats["reward_std"], clipped_fraction=stats["clipped_fraction"],
+                            dropped_samples=dropped + stats["dropped_samples"],
                             samples=self.outputs.samples(rollout_data, scores))
         # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).
         degraded = self.fleet.degradations()
