@@ -80,11 +80,19 @@ def response_mask_until_stop(responses: torch.Tensor, stop_ids: tuple[int, ...],
 
 def assemble_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
                      logprobs: torch.Tensor, group_ids: list[int], stop_ids: tuple[int, ...], policy_version: int,
-                     *, pad_id: int, decode: Callable | None = None, stop_strings: tuple[str, ...] = ()) -> Rollout:
+                     *, pad_id: int, decode: Callable | None = None, stop_strings: tuple[str, ...] = (),
+                     engine_string_ends: torch.Tensor | None = None) -> Rollout:
     """A Rollout from left-padded prompts (B, P) and right-padded responses with their
     sampled tokens' logprobs (B, R); the same record whatever engine generated it. Tokens
-    past each row's stop (an engine may overshoot a stop string) become padding."""
+    past each row's stop (an engine may overshoot a stop string) become padding.
+
+    `engine_string_ends` (B,): where an engine with its own stop-string search (vLLM, with
+    its own tokenizer) ended rows, -1 elsewhere. A row ends at the earlier of that and what
+    `decode` finds, so a row the engine ended is never taken for an unfinished one."""
     ends = stop_string_ends(responses, stop_ids, decode, stop_strings)
+    if engine_string_ends is not None:
+        both = (ends >= 0) & (engine_string_ends >= 0)
+        ends = torch.where(both, torch.minimum(ends, engine_string_ends), torch.maximum(ends, engine_string_ends))
     response_mask, clipped = response_mask_until_stop(responses, stop_ids, ends)
     responses = responses.masked_fill(response_mask == 0, pad_id)
     return Rollout(
