@@ -9,6 +9,7 @@ on-policy ratio starts at exactly 1.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -29,7 +30,7 @@ def filter_logits(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     """
     if min_p > 0.0:
         logp = torch.log_softmax(scaled, dim=-1)
-        threshold = logp.max(dim=-1, keepdim=True).values + torch.log(torch.tensor(min_p, device=scaled.device))
+        threshold = logp.max(dim=-1, keepdim=True).values + math.log(min_p)  # a Python float: no copy to the device
         scaled = scaled.masked_fill(logp < threshold, float("-inf"))
     if top_k > 0:
         kth = torch.topk(scaled, min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
