@@ -38,9 +38,21 @@ def filter_logits(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     if top_p < 1.0:
         ordered, order = torch.sort(scaled, dim=-1, descending=True)
         probs = torch.softmax(ordered, dim=-1)
-        drop = (probs.cumsum(-1) - probs) > top_p
+        drop = (cumsum_in_blocks(probs) - probs) > top_p
         scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     return scaled
+
+
+def cumsum_in_blocks(values: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """values.cumsum(-1) of a (B, V) tensor as two short scans (within blocks of `block`,
+    then over the blocks' totals). The same sums up to rounding; torch.compile's inductor
+    (torch 2.11) fails to generate code for one scan over a whole vocabulary (32k+) on CUDA."""
+    rows, width = values.shape
+    blocks = -(-width // block)
+    within = torch.nn.functional.pad(values, (0, blocks * block - width)).view(rows, blocks, block).cumsum(-1)
+    totals = within[..., -1]
+    before = totals.cumsum(-1) - totals  # the mass of the blocks before each block
+    return (within + before[..., None]).view(rows, blocks * block)[:, :width]
 
 
 def stop_string_end(tokens: Sequence[int], decode: Callable[[list[int]], str], strings: Sequence[str]) -> int:
