@@ -9,8 +9,8 @@ of a decode step launching kernels from Python. Here:
   and a decode step reads it as stored: grouped-query heads are packed onto the cache's
   KV heads instead of copying it once per query head (gqa_decode.py);
 - each decode step (the model's forward for one token, temperature / min-p / top-k /
-  top-p sampling and the sampled token's unfiltered logprob) is one function compiled by torch.compile in
-  "reduce-overhead" mode, which captures it as a CUDA graph and replays it;
+  top-p sampling and the sampled token's unfiltered logprob) is one function compiled by
+  torch.compile in "reduce-overhead" mode, which captures it as a CUDA graph and replays it;
 - only the sampled token and its logprob leave the step (B values each), never the logits;
 - sequences stop at any of the request's stop ids (a device tensor: no host sync) and,
   checked on the host every EOS_CHECK_EVERY steps, at its stop strings; the loop exits
@@ -57,7 +57,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     log_softmax(logits / temperature) of the sampled token: what the actor's loss
     evaluates, so on-policy ratios start at exactly 1 whatever the filters.
     Sampling is an exponential race (argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
-    probability p_i): one pass, no cumulative sums, and it runs inside a CUDA graph.
+    probability p_i): one pass over the (filtered) logits, and it runs inside a CUDA graph.
     """
     scaled = logits.float() / temperature
     logp = torch.log_softmax(scaled, dim=-1)
