@@ -66,6 +66,14 @@ class TrainConfig:
     samples_per_prompt: int = 1       # responses sampled per prompt (the GRPO group size, >= 2 there)
     max_new_tokens: int = 16
     temperature: float = 1.0
+    # A response also ends once its text contains one of these strings (kept up to and
+    # including the token that completes it); it always ends at the model's EOS ids.
+    stop: tuple[str, ...] = ()
+    # Sampling filters on the temperature-scaled distribution (0 / 1.0 / 0.0: off); the PPO
+    # ratio still uses the unfiltered distribution.
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     actor_lr: float = 1e-4
     critic_lr: float = 1e-4
     kl_coef: float = 0.05             # PPO: per-token reward penalty; GRPO: weight of the KL loss
@@ -130,6 +138,7 @@ class TrainConfig:
     def __post_init__(self):
         for f in fields(self):  # types first, so that the range checks below can compare
             _check_number(f.name, getattr(self, f.name), f.type)
+        object.__setattr__(self, "stop", _strings("stop", self.stop))  # a list given in Python too
         rows = self.samples_per_step
         checks = {
             "algorithm": (self.algorithm in ("ppo", "grpo"), "use ppo or grpo"),
@@ -140,6 +149,10 @@ class TrainConfig:
             "max_new_tokens": (self.max_new_tokens >= 1, "use a positive number of tokens"),
             # logits are divided by it: 0 divides by zero, < 0 samples the least likely token.
             "temperature": (self.temperature > 0, "use a temperature > 0 (1.0 samples the model as is)"),
+            "top_k": (self.top_k >= 0, "use 0 (off) or the number of most likely tokens to sample from, e.g. 50"),
+            "top_p": (0 < self.top_p <= 1, "use 1.0 (off) or a share of the probability mass above 0, e.g. 0.95"),
+            "min_p": (0 <= self.min_p < 1,
+                      "use 0.0 (off) or a share of the top token's probability below 1, e.g. 0.05"),
             "actor_lr": (self.actor_lr > 0, "use a learning rate > 0, e.g. 1.0e-5"),
             "critic_lr": (self.critic_lr > 0, "use a learning rate > 0, e.g. 1.0e-5"),
             "kl_coef": (self.kl_coef >= 0, "use 0 (no KL term) or a positive weight, e.g. 0.05"),
@@ -241,9 +254,25 @@ def make_train_config(values: Mapping[str, Any], *, source: str = "trainer argum
         raise TrainConfigError(f"{source}: {error}") from None
 
 
+def _strings(key: str, value: Any, source: str = "") -> tuple[str, ...]:
+    """A list-of-strings key (a YAML list, or a list/tuple in Python) as a tuple; anything
+    else, or an empty string in it (it would end every response at once), is an error."""
+    example = f"Fix: write e.g. {key}: ['</answer>'] (a list of strings), or leave it out."
+    where = f"{source}: " if source else ""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TrainConfigError(f"{where}train.{key}: {_shown(value)} should be a list of strings. {example}")
+    for item in value:
+        if not isinstance(item, str) or item == "":
+            raise TrainConfigError(f"{where}train.{key}: {_shown(item)} in {_shown(list(value))} is not allowed: "
+                                   f"every entry must be a non-empty string. {example}")
+    return tuple(value)
+
+
 def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
     if type_name == "CheckpointConfig":
         return CheckpointConfig.of(value, source)
+    if type_name == "tuple[str, ...]":
+        return _strings(key, value, source)
     if type_name.endswith(" | None"):  # optional: null (or leaving the key out) means "auto"
         if value is None:
             return None

@@ -42,8 +42,9 @@ class PendingEval:
 
 
 class Evaluation:
-    def __init__(self, fleet, prompts: PromptStream, train_config: TrainConfig):
+    def __init__(self, fleet, prompts: PromptStream, train_config: TrainConfig, stop_token_ids: tuple[int, ...] = ()):
         self.fleet, self.prompts, self.train_config = fleet, prompts, train_config
+        self.stop_token_ids = stop_token_ids
         self.pending: list[PendingEval] = []
 
     def due(self, steps_done: int, first: bool) -> bool:
@@ -64,8 +65,11 @@ class Evaluation:
             mine = draws[shard::n_shards]
             request = GenerationRequest(
                 prompt_ids=[ids[d] for d in mine], group_ids=mine, samples_per_prompt=tc.eval_samples_per_prompt,
-                max_new_tokens=tc.max_new_tokens, temperature=1.0 if greedy else tc.eval_temperature,
-                seed=tc.seed * 7_919 + steps_done * 1009 + shard, **greedy_and_stops(tc, greedy))
+                max_new_tokens=tc.max_new_tokens, seed=tc.seed * 7_919 + steps_done * 1009 + shard,
+                stop_token_ids=self.stop_token_ids, stop_strings=tc.stop,
+                # Greedy is sampling the most likely token alone (top-k 1); else the run's filters.
+                **({"temperature": 1.0, "top_k": 1} if greedy else
+                   {"temperature": tc.eval_temperature, "top_k": tc.top_k, "top_p": tc.top_p, "min_p": tc.min_p}))
             tag = f"eval{steps_done}-{shard}"
             generated = fleet.submit("rollout", rollout.generate, request, weights, tag=tag, priority=EVAL_PRIORITY)
             rows = [self.prompts.rows[d] for d in mine] if self.prompts.rows else None
@@ -95,11 +99,6 @@ class Evaluation:
         for pending in self.pending:
             self.fleet.client.cancel(pending.futures)
         self.pending.clear()
-
-
-def greedy_and_stops(tc: TrainConfig, greedy: bool) -> dict:
-    """The request's sampling filters: greedy is top-k 1 (the most likely token)."""
-    return {"top_k": 1} if greedy else {}
 
 
 def eval_figures(scores: Scores, group_ids: torch.Tensor, tc: TrainConfig) -> dict[str, float]:

@@ -44,7 +44,7 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
     )
     stats = {"reward_mean": float(scores.float().mean()), "reward_std": float(scores.float().std(correction=0)),
              "kl_mean": float(masked_mean(kl, mask)), "response_length": float(mask.sum(-1).mean()),
-             "tokens": int(mask.sum())}
+             "tokens": int(mask.sum()), "clipped_fraction": float(rollout.clipped.float().mean())}
     return experience, stats
 
 

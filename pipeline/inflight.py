@@ -35,8 +35,10 @@ class InFlightBatch:
 
 
 class InFlight:
-    def __init__(self, fleet, prompts: PromptStream, train_config: TrainConfig, roles: tuple[str, ...]):
+    def __init__(self, fleet, prompts: PromptStream, train_config: TrainConfig, roles: tuple[str, ...],
+                 stop_token_ids: tuple[int, ...] = ()):
         self.fleet, self.prompts, self.train_config, self.roles = fleet, prompts, train_config, roles
+        self.stop_token_ids = stop_token_ids  # the model's ends of turn (models.stop_token_ids)
         self._pending: deque[InFlightBatch] = deque()
         self._submitted = 0
 
@@ -65,7 +67,9 @@ class InFlight:
         for shard in range(n_shards):
             request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
                                         samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,
-                                        temperature=tc.temperature, seed=tc.seed * 1_000_003 + index * 1009 + shard)
+                                        temperature=tc.temperature, seed=tc.seed * 1_000_003 + index * 1009 + shard,
+                                        stop_token_ids=self.stop_token_ids, stop_strings=tc.stop, top_k=tc.top_k,
+                                        top_p=tc.top_p, min_p=tc.min_p)
             tag = f"{index}-{shard}"
             generated = fleet.submit("rollout", rollout.generate, request, weights, tag=tag)
             batch.rollouts.append(generated)

@@ -38,6 +38,7 @@ class StepRecord:
     losses: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     reward_std: float = 0.0           # spread of the batch's rewards (population std)
+    clipped_fraction: float = 0.0     # share of responses cut at max_new_tokens without a stop
     # Work the workers made smaller to fit GPU memory during the step, one line each
     # ("role: what: before -> after unit (cause: detail)"), and how many of them an
     # out-of-memory error forced (the others were planned smaller from a memory reading).
@@ -53,7 +54,7 @@ class StepRecord:
         return {"step": self.step, "policy_version": self.policy_version, "reward": self.reward_mean,
                 "kl": self.kl_mean, "response_length": self.response_length, "tokens": self.tokens,
                 "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
-                "staleness": self.staleness, "dropped_samples": self.dropped_samples,
+                "staleness": self.staleness, "clipped_fraction": self.clipped_fraction, "dropped_samples": self.dropped_samples,
                 "oom_backoffs": self.oom_backoffs, **self.losses,
                 **{f"seconds_{phase}": value for phase, value in self.phases.items()},
                 **{f"rewards/{name}/{stat}": value for name, stats in self.rewards.items()

@@ -96,6 +96,22 @@ def load_tokenizer(path: str | os.PathLike):
     return tokenizer
 
 
+def stop_token_ids(model_dir: str | os.PathLike, tokenizer) -> tuple[int, ...]:
+    """The ids that end a response of this model: its generation_config.json's eos_token_id
+    (an int or a list: instruct models list their end-of-turn ids there, e.g. Qwen2.5-Instruct
+    [151645, 151643]) and the tokenizer's EOS id, each once, in that order. A model without
+    a generation config (or one naming no EOS) ends at the tokenizer's EOS alone."""
+    from transformers import GenerationConfig
+
+    try:
+        listed = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json: nothing listed there
+        listed = None
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    ids = [*listed, tokenizer.eos_token_id]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def context_length(path: str | os.PathLike) -> int | None:
     """How many tokens (prompt + response) the model at `path` takes: its config's
     max_position_embeddings, or None when the config names no limit."""

@@ -22,6 +22,16 @@ class GenerationRequest:
     max_new_tokens: int
     temperature: float
     seed: int                        # sampling seed for this shard (reproducible runs)
+    # A response ends at the engine's EOS id, at any of these ids (an instruct model's ends
+    # of turn) or once its text contains any of these strings. Both end rows the same way in
+    # every engine (engines/hf.py: response_mask_until_stop).
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    # Sampling filters on the temperature-scaled distribution (0 / 1.0 / 0.0: off). They only
+    # choose which tokens can be sampled: behaviour logprobs stay the unfiltered ones.
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -33,11 +43,18 @@ class Rollout:
 
     input_ids: torch.Tensor          # (B, P+R) int64
     attention_mask: torch.Tensor     # (B, P+R) int64: 1 on prompt and response tokens
-    response_mask: torch.Tensor      # (B, R) float32: 1 on generated tokens up to and including EOS
+    response_mask: torch.Tensor      # (B, R) float32: 1 on generated tokens up to and including the stop
     behavior_logprobs: torch.Tensor  # (B, R) float32: log pi_behavior(token) of the policy that sampled it
     group_ids: torch.Tensor          # (B,) int64: prompt id; GRPO normalises rewards within a group
     policy_version: int              # version of the weights that generated every row
     prompt_length: int               # P
+    # (B,) bool: the response reached max_new_tokens without any stop. Engines always set it;
+    # a record built by hand without it says no row was clipped.
+    clipped: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.clipped is None:
+            self.clipped = torch.zeros(self.input_ids.shape[0], dtype=torch.bool)
 
     @property
     def responses(self) -> torch.Tensor:
@@ -165,6 +182,7 @@ def join_shards(rollouts: list[Rollout], **per_token: list[torch.Tensor]) -> tup
         group_ids=torch.cat([p.group_ids for p in rollouts]),
         policy_version=rollouts[0].policy_version,
         prompt_length=prompt_length,
+        clipped=torch.cat([p.clipped for p in rollouts]),
     )
     return rollout, {name: cat(parts) for name, parts in per_token.items() if parts}
 

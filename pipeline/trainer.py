@@ -22,7 +22,7 @@ from pipeline.engines import vllm as vllm_engine
 from pipeline.evaluation import Evaluation
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
 from pipeline.metrics import PhaseTimer, StepRecord, reward_figures
-from pipeline.models import context_length, load_tokenizer, materialize
+from pipeline.models import context_length, load_tokenizer, materialize, stop_token_ids
 from pipeline.outputs import RunOutputs
 from pipeline.recipes import role_recipes
 from pipeline.inflight import InFlight
@@ -81,6 +81,7 @@ class HybridTrainer:
         self.output_dir = Path(output_dir or tempfile.mkdtemp(prefix="dask-rl-"))
         self.actor_dir = materialize(actor_model, self.output_dir / "actor-init", tokenizer)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_dir)
+        self.stop_token_ids = stop_token_ids(self.actor_dir, self.tokenizer)  # every EOS the model lists
         context = context_length(self.actor_dir)
         self.prompts = prompt_stream(prompts, self.tokenizer, tc, context, self.actor_dir)
         if (tc.eval_every_n_steps or tc.eval_before_train) and eval_prompts is None:
@@ -110,8 +111,8 @@ class HybridTrainer:
                                critic_model=critic_model, reference_model=reference_model,
                                snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
-        self.batches = InFlight(self.fleet, self.prompts, tc, self.roles)
-        self.evaluation = None if eval_stream is None else Evaluation(self.fleet, eval_stream, tc)
+        self.batches = InFlight(self.fleet, self.prompts, tc, self.roles, self.stop_token_ids)
+        self.evaluation = None if eval_stream is None else Evaluation(self.fleet, eval_stream, tc, self.stop_token_ids)
         self.update = PolicyUpdate(self.fleet, tc, self.roles)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
         link = self.fleet.cluster.dashboard_link
@@ -204,7 +205,8 @@ class HybridTrainer:
                             reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
-                            reward_std=stats["reward_std"], dropped_samples=dropped + stats["dropped_samples"],
+                            reward_std=stats["reward_std"], clipped_fraction=stats["clipped_fraction"],
+                            dropped_samples=dropped + stats["dropped_samples"],
                             samples=self.outputs.samples(rollout_data, scores, self.prompts.row),
                             rewards=rewards, evaluation=evaluated)
         # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).

@@ -8,11 +8,13 @@ of a decode step launching kernels from Python. Here:
 - the KV cache is a transformers StaticCache allocated once per (batch, length) bucket,
   and a decode step reads it as stored: grouped-query heads are packed onto the cache's
   KV heads instead of copying it once per query head (gqa_decode.py);
-- each decode step (the model's forward for one token, temperature / top-k / top-p
-  sampling and the sampled token's logprob) is one function compiled by torch.compile in
-  "reduce-overhead" mode, which captures it as a CUDA graph and replays it;
+- each decode step (the model's forward for one token, temperature / min-p / top-k /
+  top-p sampling and the sampled token's unfiltered logprob) is one function compiled by
+  torch.compile in "reduce-overhead" mode, which captures it as a CUDA graph and replays it;
 - only the sampled token and its logprob leave the step (B values each), never the logits;
-- sequences stop at their EOS, and the loop exits once every sequence has ended;
+- sequences stop at any of the request's stop ids (a device tensor: no host sync) and,
+  checked on the host every EOS_CHECK_EVERY steps, at its stop strings; the loop exits
+  once every sequence has ended, and the rollout is cut exactly at each row's stop;
 - prompt lengths are rounded up to a multiple of `prompt_bucket` and batches to a power of
   two, so a run compiles a bounded number of graphs (one per bucket pair seen);
 - the batch is sized from the GPU's free memory before every request, so memory another
@@ -28,12 +30,14 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from typing import Callable
 
 import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, kv_bytes_per_token, power_of_two_below, sequence_bytes
 from pipeline.engines.gqa_decode import use_packed_gqa
-from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts
+from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of
+from pipeline.engines.sampling import filter_logits, filters_active, stop_string_end
 from pipeline.records import GenerationRequest, Rollout
 from resources.allocator import LOW_FREE_MEMORY, free_bytes, in_chunks, release_cached, report
 
@@ -44,29 +48,21 @@ logger = logging.getLogger("dask_rl")
 EOS_CHECK_EVERY = 8
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) logits -> (B,) sampled tokens and (B,) their float32 logprobs.
 
-    The logprob is that of the distribution sampled from: log_softmax(logits / temperature)
-    after top-k / top-p filtering and renormalisation. With top_k=0 and top_p=1 that is
-    exactly what the actor's loss evaluates, so on-policy ratios start at 1.
+    Tokens are sampled from log_softmax(logits / temperature) after the top-k / top-p /
+    min-p filters (engines/sampling.py). The logprob returned is the unfiltered
+    log_softmax(logits / temperature) of the sampled token: what the actor's loss
+    evaluates, so on-policy ratios start at exactly 1 whatever the filters.
     Sampling is an exponential race (argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
-    probability p_i): one pass, no cumulative sums, and it runs inside a CUDA graph.
+    probability p_i): one pass over the (filtered) logits, and it runs inside a CUDA graph.
     """
     scaled = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(scaled, min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass; the
-        # most likely token is always kept.
-        drop = (probs.cumsum(-1) - probs) > top_p
-        scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     logp = torch.log_softmax(scaled, dim=-1)
-    race = logp - torch.empty_like(logp).exponential_().log()
+    allowed = filter_logits(scaled, top_k, top_p, min_p) if filters_active(top_k, top_p, min_p) else scaled
+    race = allowed - torch.empty_like(logp).exponential_().log()  # a shift of `allowed` picks the same
     tokens = race.argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -92,18 +88,18 @@ class CudaGraphEngine:
             (KV cache at full length plus sampling workspace), and an out-of-memory error
             halves it; both are reported as degradations.
         prompt_bucket: prompts are left-padded to a multiple of this many tokens.
-        top_k / top_p: sampling filters (0 / 1.0: sample from the full distribution).
         compile: capture decode steps as CUDA graphs (default: on CUDA devices).
+        decode: token ids -> text (the tokenizer's), for requests with stop strings.
+    Sampling filters (top-k / top-p / min-p) come with each request.
     """
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
-                 prompt_bucket: int = 64, top_k: int = 0, top_p: float = 1.0, compile: bool | None = None):
+                 prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None):
         self.model = model.eval()
         use_packed_gqa(model)
-        self.pad_id, self.eos_id, self.device = pad_id, eos_id, device
+        self.pad_id, self.eos_id, self.device, self.decode = pad_id, eos_id, device, decode
         self.max_batch_size = bucket_batch(max_batch_size)
         self.prompt_bucket = prompt_bucket
-        self.top_k, self.top_p = top_k, top_p
         self.compiled = torch.device(device).type == "cuda" if compile is None else compile
         self._caches: dict[tuple[int, int], object] = {}   # (batch, length) -> StaticCache
         self._cache_bytes: dict[tuple[int, int], int] = {}  # what each holds once filled
@@ -118,6 +114,7 @@ class CudaGraphEngine:
 
     @torch.no_grad()
     def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
+        require_decode(self.decode, request.stop_strings)
         prompts, groups = repeat_prompts(request)
         torch.manual_seed(request.seed)
         width = bucket_length(max(len(p) for p in prompts), self.prompt_bucket)
@@ -127,7 +124,7 @@ class CudaGraphEngine:
 
         def run(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
             ids, mask = left_pad(prompts[rows], self.pad_id, width=width)
-            return self._generate_chunk(ids, mask, request.max_new_tokens, request.temperature)
+            return self._generate_chunk(ids, mask, request)
 
         parts, _ = in_chunks(run, len(prompts), self.batch, what="generation", device=self.device,
                              unit="sequences per batch", on_shrink=self._shrink)
@@ -137,7 +134,9 @@ class CudaGraphEngine:
                                for r in responses])
         logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width_r - lp.shape[1])) for lp in logprobs])
         ids, mask = left_pad(prompts, self.pad_id, width=width)
-        return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
+        return assemble_rollout(ids, mask, responses, logprobs, groups, stop_ids_of(request, self.eos_id),
+                                policy_version, pad_id=self.pad_id, decode=self.decode,
+                                stop_strings=request.stop_strings)
 
     def _plan(self, sequences: int, prompt_length: int, length: int) -> int:
         """Sequences per batch: a power of two, at most max_batch_size, that fits the memory
@@ -167,9 +166,12 @@ class CudaGraphEngine:
         self._caches.clear()
         self._cache_bytes.clear()
 
-    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
-                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, P) left-padded prompts -> (B, T) responses (pad after EOS) and their logprobs."""
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, request: GenerationRequest
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, P) left-padded prompts -> (B, T) responses (pad after a stop id; a stop string
+        may be overshot by up to EOS_CHECK_EVERY tokens, cut by assemble_rollout) and their logprobs."""
+        max_new_tokens, temperature = request.max_new_tokens, request.temperature
+        filters = (request.top_k, request.top_p, request.min_p)
         rows, width = ids.shape
         # The shape bucket, never above the planned batch (which is a power of two >= rows).
         batch = min(bucket_batch(rows), self.batch)
@@ -188,7 +190,8 @@ class CudaGraphEngine:
                             position_ids=(attention[:, :width].cumsum(-1) - 1).clamp(min=0),
                             cache_position=torch.arange(width, device=dev), use_cache=True, logits_to_keep=1,
                             **{self._cache_arg: cache}).logits[:, -1]
-        token, logprob = sample_tokens(logits, temperature, self.top_k, self.top_p)
+        token, logprob = sample_tokens(logits, temperature, *filters)
+        stop_ids = torch.tensor(stop_ids_of(request, self.eos_id), dtype=torch.long, device=dev)
         tokens = torch.full((batch, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=dev)
         done = torch.zeros(batch, dtype=torch.bool, device=dev)
@@ -199,21 +202,41 @@ class CudaGraphEngine:
         for t in range(max_new_tokens):
             tokens[:, t] = token.masked_fill(done, self.pad_id)
             logprobs[:, t] = logprob.masked_fill(done, 0.0)
-            done |= token == self.eos_id
-            if t == max_new_tokens - 1 or (t % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and bool(done[:rows].all())):
+            done |= torch.isin(token, stop_ids)
+            check = t % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1
+            if check and request.stop_strings:  # a host sync, at the steps that sync anyway
+                done[:rows] |= self._string_stopped(tokens[:rows, :t + 1], done[:rows], request.stop_strings)
+            if t == max_new_tokens - 1 or (check and bool(done[:rows].all())):
                 steps = t + 1
                 break
             attention[:, width + t] = 1
             if self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
             token, logprob = self._decode(token[:, None].clone(), lengths + t, positions[t:t + 1], attention,
-                                          cache, temperature)
+                                          cache, temperature, *filters)
         return tokens[:rows, :steps].cpu(), logprobs[:rows, :steps].cpu()
 
-    def _decode_step(self, token, position_ids, cache_position, attention, cache, temperature: float):
+    def _decode_step(self, token, position_ids, cache_position, attention, cache, temperature: float,
+                     top_k: int, top_p: float, min_p: float):
         logits = self.model(input_ids=token, attention_mask=attention, position_ids=position_ids,
                             cache_position=cache_position, use_cache=True, **{self._cache_arg: cache}).logits[:, -1]
-        return sample_tokens(logits, temperature, self.top_k, self.top_p)
+        return sample_tokens(logits, temperature, top_k, top_p, min_p)
+
+    def _string_stopped(self, tokens: torch.Tensor, done: torch.Tensor, stop_strings: tuple[str, ...]
+                        ) -> torch.Tensor:
+        """(B,) on the device: the rows not done yet whose text now holds a stop string.
+
+        Only the tokens since the last check can complete one, so a tail window is decoded
+        (the last EOS_CHECK_EVERY tokens plus as many before them as the longest string has
+        characters, and two spare for a character split across tokens); a hit is confirmed
+        on the whole row with the function assemble_rollout cuts with, so both agree."""
+        window = EOS_CHECK_EVERY + max(len(s) for s in stop_strings) + 2
+        host, ended = tokens.cpu(), done.cpu().clone()
+        for row in (~ended).nonzero().flatten().tolist():
+            tail = host[row, -window:].tolist()
+            if any(s in self.decode(tail) for s in stop_strings):
+                ended[row] = stop_string_end(host[row].tolist(), self.decode, stop_strings) >= 0
+        return ended.to(done.device)
 
     def _cache(self, batch: int, length: int):
         """The StaticCache for this bucket pair; allocated on first use, then reused. When

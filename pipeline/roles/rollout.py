@@ -20,7 +20,8 @@ class RolloutRole:
         from pipeline.models import load_causal_lm, load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
-        ids = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id}
+        # decode: the engines read response text to honour a request's stop strings.
+        ids = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "decode": tokenizer.decode}
         if engine == "vllm":
             from pipeline.engines.vllm import VLLMEngine
 

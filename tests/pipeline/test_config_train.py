@@ -79,6 +79,8 @@ def test_grpo_needs_at_least_two_samples_per_prompt():
     ({"grad_clip": 0}, "grad_clip"), ({"seed": -1}, "seed"), ({"seed": 2**32}, "seed"),
     ({"prompt_column": ""}, "prompt_column"), ({"reward_errors": "ignore"}, "reward_errors"),
     ({"long_prompts": "cut"}, "long_prompts"), ({"weight_sync": "nccl"}, "weight_sync"),
+    ({"top_k": -1}, "top_k"), ({"top_p": 0}, "top_p"), ({"top_p": 1.01}, "top_p"), ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.0}, "min_p"),
     # 2 prompts x 1 sample = 2 rows: a third mini-batch would have none.
     ({"prompts_per_step": 2, "mini_batches": 3}, "mini_batches"),
 ])
@@ -90,7 +92,8 @@ def test_out_of_range_values_are_rejected(values, key):
 @pytest.mark.parametrize("values", [
     {"gamma": 0}, {"gamma": 1}, {"lam": 0}, {"lam": 1}, {"kl_coef": 0}, {"is_cap": 1}, {"seed": 0},
     {"seed": 2**32 - 1}, {"prompts_per_step": 2, "samples_per_prompt": 2, "mini_batches": 4},
-    {"temperature": 1e-3}, {"clip_ratio": 1e-9},
+    {"temperature": 1e-3}, {"clip_ratio": 1e-9}, {"top_k": 0}, {"top_k": 1}, {"top_p": 1.0}, {"top_p": 1e-6},
+    {"min_p": 0.0}, {"min_p": 0.99},
 ])
 def test_values_on_the_edge_of_each_range_are_accepted(values):
     config = make_train_config(values)
@@ -125,7 +128,28 @@ def test_every_float_must_be_finite(key, value, shown):
 
 def test_float_keys_cover_the_numeric_hyperparameters():
     assert set(FLOAT_KEYS) == {"temperature", "actor_lr", "critic_lr", "kl_coef", "clip_ratio", "value_clip",
-                               "gamma", "lam", "is_cap", "grad_clip"}
+                               "gamma", "lam", "is_cap", "grad_clip", "top_p", "min_p"}
+
+
+def test_stop_strings_are_a_strict_list_of_non_empty_strings(tmp_path):
+    assert TrainConfig().stop == ()
+    assert make_train_config({"stop": ["</answer>", "\n\n"]}).stop == ("</answer>", "\n\n")
+    assert TrainConfig(stop=["x"]).stop == ("x",)  # a list given in Python becomes a tuple too
+    fix = "Fix: write e.g. stop: ['</answer>'] (a list of strings), or leave it out."
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config({"stop": "</answer>"}, source="run.yaml: train")
+    assert str(error.value) == f"run.yaml: train: train.stop: '</answer>' should be a list of strings. {fix}"
+    for bad, shown in (([""], "''"), (["a", 3], "3"), ([None], "None")):
+        with pytest.raises(TrainConfigError, match=f"train.stop: {shown} in .* is not allowed: every entry must be a "
+                                                   f"non-empty string"):
+            make_train_config({"stop": bad})
+    with pytest.raises(TrainConfigError, match="train.stop: '' in"):
+        TrainConfig(stop=("",))
+    # From a run file: a YAML list.
+    path = tmp_path / "run.yaml"
+    path.write_text(RESOURCES + "train:\n  stop: ['</answer>', 'Question:']\n  top_p: 0.9\n  top_k: 40\n")
+    train = load_run_file(path).train
+    assert (train.stop, train.top_p, train.top_k, train.min_p) == (("</answer>", "Question:"), 0.9, 40, 0.0)
 
 
 def test_an_int_too_large_for_a_float_is_an_error_not_an_overflow():

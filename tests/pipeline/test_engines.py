@@ -118,17 +118,19 @@ def test_sampling_matches_the_distribution_and_filters():
     probs = torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365
     assert math.isclose(float(lp.exp()), float(probs[_[0]]), rel_tol=1e-5)
 
-    # top_k=2 keeps 0.5 and 0.3, renormalised to 0.625 and 0.375.
+    # The filters choose what can be sampled; the logprob stays the unfiltered one (what the
+    # actor's loss evaluates). top_k=2 keeps 0.5 and 0.3, sampled as 0.625 and 0.375.
     tokens, logprobs = sample_tokens(logits, 1.0, top_k=2)
-    assert set(tokens.tolist()) == {0, 1}
-    torch.testing.assert_close(logprobs.exp(), torch.tensor([0.625, 0.375])[tokens])
+    frequency = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    torch.testing.assert_close(frequency, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.015, rtol=0)
+    torch.testing.assert_close(logprobs.exp(), torch.tensor([0.5, 0.3])[tokens])
     # top_p=0.7: 0.5 alone holds less than 0.7, 0.5 + 0.3 reaches it: keep those two.
     tokens, logprobs = sample_tokens(logits, 1.0, top_p=0.7)
     assert set(tokens.tolist()) == {0, 1}
-    torch.testing.assert_close(logprobs.exp(), torch.tensor([0.625, 0.375])[tokens])
-    # top_p=0.4: the most likely token alone.
+    torch.testing.assert_close(logprobs.exp(), torch.tensor([0.5, 0.3])[tokens])
+    # top_p=0.4: the most likely token alone, with its unfiltered probability 0.5.
     tokens, logprobs = sample_tokens(logits[:100], 1.0, top_p=0.4)
-    assert tokens.tolist() == [0] * 100 and torch.allclose(logprobs, torch.zeros(100))
+    assert tokens.tolist() == [0] * 100 and torch.allclose(logprobs, torch.full((100,), math.log(0.5)))
 
 
 def test_buckets_bound_the_shapes():

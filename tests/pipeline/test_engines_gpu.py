@@ -75,3 +75,34 @@ def test_graph_loop_stops_at_eos(model):
     assert (responses == 1).any(-1).all() and responses.shape[1] < 200
     first = (responses == 1).float().argmax(-1)
     assert torch.equal(rollout.response_mask.sum(-1), (first + 1).float())
+
+
+def test_graph_loop_stops_at_any_stop_id_and_string_and_reports_unfiltered_logprobs(model):
+    """Captured decode steps with two stop ids (a device tensor), a stop string checked on
+    the host, and top-k / top-p / min-p: rows end at their first stop, exactly, and the
+    logprobs are the unfiltered ones (top-k 100 of 32000 tokens would change them a lot)."""
+    decode = lambda ids: "".join(chr(ord("a") + i % 26) for i in ids)  # noqa: E731 (a toy text)
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", decode=decode)
+    lm_head = model.get_output_embeddings()
+    bias = torch.zeros(32000, device="cuda", dtype=torch.bfloat16)
+    bias[[5, 7]] = 1.0  # about 2% a token each among the 100 kept (a random model is near uniform)
+    hook = lm_head.register_forward_hook(lambda m, a, out: out + bias)
+    request = _request(new=64)
+    request.stop_token_ids, request.stop_strings = (5, 7), ("q",)
+    request.top_k, request.top_p, request.min_p = 100, 0.95, 0.01
+    try:
+        rollout = engine.generate(request, 0)
+        diff = _difference(model, rollout)
+    finally:
+        hook.remove()
+    print(f"bf16 logprob difference with stops and filters: mean {diff.mean():.4f}, max {diff.max():.4f}")
+    assert diff.mean() < 0.02 and diff.max() < 0.25
+    endings = []
+    for row in range(len(rollout)):
+        n = int(rollout.response_mask[row].sum())
+        kept = rollout.responses[row, :n].tolist()
+        assert rollout.responses[row, n:].eq(0).all()
+        assert not set(kept[:-1]) & {1, 5, 7} and "q" not in decode(kept[:-1])
+        endings.append("id" if kept[-1] in (1, 5, 7) else "string" if decode(kept).endswith("q") else "clipped")
+        assert bool(rollout.clipped[row]) == (endings[-1] == "clipped") and (endings[-1] != "clipped" or n == 64)
+    assert {"id", "string"} <= set(endings), endings

@@ -35,7 +35,8 @@ def _rollout(mask, behavior, group_ids, prompt_length=2) -> Rollout:
     return Rollout(input_ids=torch.arange(rows * (prompt_length + response)).view(rows, -1),
                    attention_mask=torch.ones(rows, prompt_length + response, dtype=torch.long),
                    response_mask=mask, behavior_logprobs=behavior, group_ids=torch.tensor(group_ids),
-                   policy_version=3, prompt_length=prompt_length)
+                   policy_version=3, prompt_length=prompt_length,
+                   clipped=mask.sum(-1) == response)  # a row that filled the response had no stop
 
 
 def _ppo(values=VALUES, *, kl_coef=1.0, gamma=0.5, lam=0.5, whiten=False):
@@ -64,9 +65,9 @@ def test_ppo_advantages_and_returns_by_hand():
     assert torch.equal(experience.behavior_logprobs, BEHAVIOR)
     assert experience.prompt_length == 2
     # KL mean over the 5 valid tokens: (0.5 + 0 + 0.25 + 0 + 0.5) / 5; the padded 7.0 is left out.
-    # Rewards 2 and -1: mean 0.5, spread (population std) 1.5.
+    # Rewards 2 and -1: mean 0.5, spread (population std) 1.5. Row 0 ran to the limit: clipped.
     assert stats == {"reward_mean": 0.5, "reward_std": 1.5, "kl_mean": pytest.approx(0.25), "response_length": 2.5,
-                     "tokens": 5}
+                     "tokens": 5, "clipped_fraction": 0.5}
 
 
 def test_ppo_returns_are_taken_before_whitening():

@@ -12,7 +12,7 @@ import torch
 
 from pipeline import weights
 from pipeline.engines.vllm import vllm_installed
-from pipeline.models import create_tiny_model, load_causal_lm
+from pipeline.models import create_tiny_model, load_causal_lm, load_tokenizer
 from pipeline.records import GenerationRequest
 from pipeline.roles.forward import response_logprobs
 from pipeline.roles.rollout import RolloutRole
@@ -23,10 +23,10 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3]] * 4  # 16 prompts of length
 SAMPLES = 4
 
 
-def request(temperature: float = 1.0, seed: int = 3, max_new_tokens: int = 32) -> GenerationRequest:
+def request(temperature: float = 1.0, seed: int = 3, max_new_tokens: int = 32, **controls) -> GenerationRequest:
     return GenerationRequest(prompt_ids=PROMPTS, group_ids=[100 + i for i in range(len(PROMPTS))],
                              samples_per_prompt=SAMPLES, max_new_tokens=max_new_tokens,
-                             temperature=temperature, seed=seed)
+                             temperature=temperature, seed=seed, **controls)
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +121,55 @@ def test_load_state_dict_changes_generation_and_matches_hf(role, model_dir):
     assert torch.equal(role.engine.generate(cold, policy_version=0).input_ids, before.input_ids)
 
 
-def test_too_cold_temperature_is_refused(role):
-    with pytest.raises(ValueError, match="temperature"):
-        role.engine.generate(request(temperature=1e-3), policy_version=0)
+def test_a_very_cold_temperature_samples_and_scores_at_that_temperature(role, model_dir):
+    # vLLM's own sampler raises temperatures below 0.01 to 0.01; here the temperature lives in
+    # the logits layer, so 1e-3 is what is sampled and scored.
+    rollout = role.engine.generate(request(temperature=1e-3, max_new_tokens=12), policy_version=0)
+    assert (rollout.behavior_logprobs - hf_logprobs(load_causal_lm(model_dir), rollout, 1e-3)).abs().max() < 1e-3
+    with pytest.raises(ValueError, match="temperature > 0"):
+        role.engine.generate(request(temperature=0.0), policy_version=0)
+
+
+def test_stop_ids_and_stop_strings_end_responses_as_in_every_engine(role, model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    x, z = tokenizer.convert_tokens_to_ids(["x", "z"])
+    stops = ("l", "b2")
+    rollout = role.engine.generate(request(seed=8, stop_token_ids=(x, z), stop_strings=stops), policy_version=0)
+    endings = []
+    for row in range(len(rollout)):
+        n = int(rollout.response_mask[row].sum())
+        kept = rollout.responses[row, :n].tolist()
+        assert rollout.responses[row, n:].eq(0).all() and rollout.behavior_logprobs[row, n:].eq(0).all()
+        assert not set(kept[:-1]) & {x, z, 1}, "no stop id before the end"
+        assert not any(s in tokenizer.decode(kept[:-1]) for s in stops), "no stop string before the end"
+        text = tokenizer.decode(kept)
+        ending = ("id" if kept[-1] in (x, z, 1) else "string" if any(text.endswith(s) for s in stops) else "clipped")
+        assert bool(rollout.clipped[row]) == (ending == "clipped") and (ending != "clipped" or n == 32)
+        endings.append(ending)
+    assert {"id", "string"} <= set(endings), endings
+    actor = hf_logprobs(load_causal_lm(model_dir), rollout, 1.0)
+    assert (rollout.behavior_logprobs - actor).abs().max() < 1e-3
+
+
+def test_filters_choose_the_tokens_and_logprobs_stay_unfiltered(role, model_dir):
+    model = load_causal_lm(model_dir)
+    # top_k=1: every sample of a prompt is the argmax continuation, the same for all four.
+    greedy = role.engine.generate(request(temperature=0.7, max_new_tokens=8, top_k=1), policy_version=0)
+    for prompt in range(len(PROMPTS)):
+        rows = greedy.responses[prompt * SAMPLES:(prompt + 1) * SAMPLES]
+        assert (rows == rows[:1]).all()
+    ids, row = list(PROMPTS[0]), greedy.token_ids(0)[1]
+    with torch.no_grad():
+        for token in row:
+            assert token == int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+    actor = hf_logprobs(model, greedy, 0.7)
+    assert (greedy.behavior_logprobs - actor).abs().max() < 1e-3
+    assert (greedy.behavior_logprobs[greedy.response_mask.bool()] < -1e-2).any(), "unfiltered: below log 1"
+    # top_p and min_p: the logprobs are still the unfiltered ones at the temperature.
+    filtered = role.engine.generate(request(temperature=0.8, max_new_tokens=16, top_p=0.5, min_p=0.1),
+                                    policy_version=0)
+    assert (filtered.behavior_logprobs - hf_logprobs(model, filtered, 0.8)).abs().max() < 1e-3
 
 
 def test_rollout_role_syncs_published_weights(role, model_dir, tmp_path):
