@@ -19,7 +19,7 @@ import torch
 
 from pipeline import weights
 from pipeline.rewards import digit_fraction
-from pipeline.roles.host import worker_identity
+from pipeline.roles.host import role_ready, worker_identity
 from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
 from resources import ResourceConfigError, load_resource_config
@@ -158,12 +158,18 @@ def test_reward_reference_and_critic_change_too(elastic_cluster, tiny_model, pro
     record = trainer.step()
     assert record.policy_version == 2 and "critic_grad_norm" in record.losses
     assert len(trainer.fleet.groups.members("critic")) == 1
-    # With two rollout shards per step, both reward workers score.
+    # With two rollout shards per step the scoring is split in two tasks, and both reward
+    # workers may take them (which one does is Dask's choice, so it is not asserted).
     trainer.update_resource("rollout", workers=2)
+    reward_workers = set(trainer.fleet.addresses("reward"))
+    assert len(reward_workers) == 2
     with get_task_stream(client=elastic_cluster.client) as stream:
         trainer.step()
-    scorers = {t["worker"] for t in stream.data if str(t["key"]).startswith("reward-score")}
-    assert len(scorers) == 2
+    scoring = [t for t in stream.data if str(t["key"]).startswith("reward-score")]
+    assert len(scoring) == 2 and {t["worker"] for t in scoring} <= reward_workers
+    for address in reward_workers:  # each one loaded the reward model and serves reward tasks
+        assert submit(elastic_cluster.client, "reward", role_ready, "reward", tag="eligible",
+                      workers=[address]).result(60)["address"] == address
     (reward_down,) = trainer.update_resource("reward", workers=1, strategy="none")
     (reference_down,) = trainer.update_resource("reference", workers=1, strategy="none")
     assert len(reward_down.removed) == 1 and len(reference_down.removed) == 1
