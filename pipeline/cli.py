@@ -208,6 +208,7 @@ def run_scale(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     """`dask-rl worker ADDRESS --role ROLE [...]`: blocks until Ctrl-C or until retired."""
+    from pipeline.roles.host import WORKER_IMPORTS
     from resources.worker import WorkerStartError, start_role_worker
 
     if args.device_ids and args.workers is not None:
@@ -217,7 +218,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         start_role_worker(args.address, args.role, args.device_ids, name=args.name, nthreads=args.nthreads,
                           workers=args.workers or 1, allow_busy=args.allow_busy, timeout=args.timeout,
-                          host=args.host, security=security_from(args))
+                          host=args.host, security=security_from(args), imports=WORKER_IMPORTS)
     except WorkerStartError as error:
         print(f"dask-rl worker: {error}", file=sys.stderr)
         return 2

@@ -166,7 +166,7 @@ class RoleCluster:
 
     @classmethod
     def connect(cls, address: str, roles: Iterable[str] = (), *, timeout: float,
-                security: Security | None = None) -> RoleCluster:
+                security: Security | None = None, worker_imports: Iterable[str] = ()) -> RoleCluster:
         """Join the scheduler at `address` and wait until every role in `roles` has a worker.
 
         No scheduler and no worker is started: the workers are `dask-rl worker` processes
@@ -174,7 +174,8 @@ class RoleCluster:
         starts workers on this host; close() stops those and leaves the scheduler and the
         remote workers running. `specs` holds only the workers this object started, so
         update_resource never retires a worker some other host owns. A `tls://` scheduler
-        needs `security` (tls_security), which the workers started here use too.
+        needs `security` (tls_security), which the workers started here use too, as they
+        use `worker_imports`.
         """
         configure_dask()
         self = cls.__new__(cls)  # no SpecCluster: __init__ would start one
@@ -184,7 +185,8 @@ class RoleCluster:
         except OSError as error:
             raise ConnectionError(f"could not reach a Dask scheduler at {address} within {timeout:.0f}s ({error}). "
                                   f"Fix: start one with `dask-rl scheduler` and check the host and port") from error
-        self.launcher = LocalLauncher(self.client, security)
+        self.worker_imports = tuple(worker_imports)
+        self.launcher = LocalLauncher(self.client, security, self.worker_imports)
         try:
             self._wait_for_roles(tuple(roles), timeout)
         except BaseException:

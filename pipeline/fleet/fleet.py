@@ -66,7 +66,8 @@ class Fleet:
         self.snapshot_dir = snapshot_dir
         self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
         if cluster is None and scheduler_address is not None:
-            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds, security=security)
+            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds, security=security,
+                                          worker_imports=WORKER_IMPORTS)
         self.cluster = cluster or RoleCluster([w for w in plan_workers(config) if w.role in roles],
                                               dashboard_address=dashboard_address, host=host, security=security,
                                               preload=["pipeline.dashboard"],  # the RL page and its monitor

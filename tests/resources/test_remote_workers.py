@@ -134,6 +134,30 @@ def test_workers_register_with_their_role_resource_and_name(remote):
         assert set(cluster.client.nthreads().values()) == {1}
 
 
+def test_dask_rl_worker_imports_torch_and_transformers_in_the_background(remote, measured):
+    """As the trainer's own workers do: the imports start with the process, not at the first task."""
+    from pipeline.roles.host import WORKER_IMPORTS
+
+    def background_imports(dask_worker=None) -> dict:  # defined here: sent by value to the remote workers
+        """Waits (bounded) for the worker's background imports; what they imported, and how long it took."""
+        import sys
+
+        plugin = dask_worker.plugins.get("dask-rl-imports")
+        done = plugin is not None and plugin.done.wait(120)
+        return {"done": done, "seconds": plugin.seconds if done else None,
+                "imported": [m for m in WORKER_IMPORTS if m in sys.modules]}
+
+    with RoleCluster.connect(remote["address"], GRPO_ROLES, timeout=60) as cluster:
+        addresses = [address for _, address in remote["workers"].values()]
+        found = cluster.client.run(background_imports, workers=addresses)
+    assert set(found) == set(addresses)
+    for address, report in found.items():
+        assert report["done"] and report["imported"] == list(WORKER_IMPORTS), (address, report)
+    slowest = max(report["seconds"] for report in found.values())
+    measured(f"dask-rl worker: torch + transformers imported in the background in {slowest:.1f} s "
+             f"(slowest of {len(found)} workers starting together)")
+
+
 def test_connect_names_the_missing_role_and_the_command(remote):
     with pytest.raises(TimeoutError) as error:
         RoleCluster.connect(remote["address"], ("reward", "critic"), timeout=1)
