@@ -260,9 +260,10 @@ class Fleet:
                 self.cluster.drain(removed, role, self.timeout)
                 self.cluster.retire(removed)
             spec = new_config.role(role)
-            change = ResourceChange(role, tuple(sorted(added)), tuple(w.name for w in retire),
-                                    tuple(w["name"] for w in self.cluster.workers_of(role)), spec.device_ids,
-                                    spec.strategy, time.perf_counter() - start_time, ready)
+            names = tuple(w["name"] for w in self.cluster.workers_of(role))
+            change = ResourceChange(role, tuple(sorted(added)), tuple(w.name for w in retire), names, spec.device_ids,
+                                    spec.strategy, time.perf_counter() - start_time, ready,
+                                    managed=tuple(name for name in names if name in self.cluster.specs))
             logger.warning("dask-rl: %s", change)
             events.emit("scale", str(change), client=self.client, role=role, added=list(change.added),
                         removed=list(change.removed))

@@ -37,9 +37,16 @@ class ResourceChange:
     strategy: str
     seconds: float               # the whole change: start, load, drain, retire
     ready_seconds: float = 0.0   # from the call to the new workers' first task done (0 if none added)
+    # Of `workers`, those this trainer started and manages: what workers=N and device_ids count.
+    # The others joined from elsewhere (`dask-rl worker`) and are stopped from their own host.
+    managed: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        where = f"GPUs {list(self.devices)}" if self.devices else f"{len(self.workers)} CPU workers"
+        where = f"GPUs {list(self.devices)}" if self.devices else f"{len(self.managed)} CPU workers"
+        joined = len(self.workers) - len(self.managed)
+        if joined:
+            where += (f" managed by this trainer, {len(self.workers)} in all ({joined} joined from elsewhere, "
+                      f"not counted by workers=N)")
         return (f"{self.role}: +{list(self.added)} -{list(self.removed)} -> {where}, strategy "
                 f"{self.strategy} ({self.seconds:.1f}s)")
 

@@ -190,6 +190,10 @@ def test_grpo_trains_on_remote_workers_and_a_late_worker_takes_reward_tasks(remo
         assert submit(trainer.fleet.client, "reward", role_ready, "reward", workers=[address]).result(120)["name"] == \
             info["name"]  # it loaded the reward model from the trainer's plugin
         trainer.train(1)  # still trains with two reward workers
+        # workers=N counts the workers this trainer runs, besides the two joined from elsewhere.
+        (change,) = trainer.update_resource("reward", workers=1)
+        assert len(change.added) == 1 and change.managed == change.added and len(change.workers) == 3
+        assert "1 CPU workers managed by this trainer, 3 in all (2 joined from elsewhere" in str(change)
 
         trainer.fleet.cluster.retire([address])  # its Nanny must close, not restart it: the command exits
         assert late.wait(30) == 0
