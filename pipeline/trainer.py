@@ -256,7 +256,8 @@ class HybridTrainer:
         try:
             self.outputs.close(self.fleet)
         finally:
-            self.batches.cancel()
+            if self.fleet.scheduler_lost() is None:  # a lost scheduler took the batches with it
+                self.batches.cancel()
             self.fleet.close()
 
     def __enter__(self) -> HybridTrainer:

@@ -31,7 +31,7 @@ from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
 from pipeline.fleet.routes import WeightRoutes
 from pipeline.fleet.scaling import start_adaptive
-from pipeline.fleet.tasks import RoleTimeout, submit, wait_role
+from pipeline.fleet.tasks import RoleTimeout, SchedulerLost, scheduler_lost, submit, wait_role
 from pipeline.roles import rollout
 from pipeline.roles.host import WORKER_IMPORTS, RoleHost, plugin_name, role_ready
 from pipeline.roles.saved_state import Recovery, recovery_path
@@ -198,16 +198,27 @@ class Fleet:
         self.routes.after_publish(handle, actor_address, self.timeout)
 
     # -- placement changes -----------------------------------------------------------------
+    def scheduler_lost(self, doing: str = "training") -> SchedulerLost | None:
+        """The error to raise if the client lost its scheduler, else None."""
+        return scheduler_lost(self.client, doing)
+
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """Marks the calling thread as the training loop: trainable-role changes asked for
-        from other threads wait for its next step boundary."""
+        from other threads wait for its next step boundary. Whatever a lost scheduler makes
+        fail inside (a wait, a fetch, a publish) ends as one SchedulerLost naming it."""
         self._train_thread = threading.current_thread()
         try:
             yield
+        except Exception as error:
+            lost = self.scheduler_lost(f"training ({type(error).__name__} in the step)")
+            if lost is None or isinstance(error, SchedulerLost):
+                raise
+            raise lost from error
         finally:
             self._train_thread = None
-            self.at_boundary()  # a request that raced the last step is not left waiting
+            if self.scheduler_lost() is None:
+                self.at_boundary()  # a request that raced the last step is not left waiting
 
     def update_resource(self, request: ResourceRequest) -> list[ResourceChange]:
         """Validate `request` against the current placement (a bad one raises, nothing
@@ -308,7 +319,7 @@ class Fleet:
         adaptive.stop(timeout=0)
         deadline = time.monotonic() + self.timeout
         while adaptive.running and time.monotonic() < deadline:
-            if self._train_thread is None:
+            if self._train_thread is None and self.scheduler_lost() is None:
                 self.at_boundary()
             adaptive.stop(timeout=0.2)
 
@@ -318,7 +329,7 @@ class Fleet:
         fleet started). Never raises: a scheduler already gone only shortens the work."""
         try:
             self.stop_adapting()
-            for address in self.addresses("actor"):  # snapshots live on the actor's host
+            for address in [] if self.scheduler_lost() else self.addresses("actor"):  # the actor's host's snapshots
                 self.client.run(shutil.rmtree, self.snapshot_dir, True, workers=[address])
         except Exception as error:  # noqa: BLE001 - closing after a fault must not replace it
             logger.warning("dask-rl: the cluster did not answer while closing (%s); cleaning up locally", error)
