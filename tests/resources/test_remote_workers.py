@@ -4,6 +4,7 @@ that joins a trainer's own scheduler. Every process started here is stopped in t
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -247,3 +248,41 @@ def test_a_worker_joins_the_trainers_own_scheduler(processes, tiny_model, prompt
     finally:
         trainer.close()
     assert proc.wait(30) == 0  # the scheduler closed, so the worker command ends
+
+
+@pytest.mark.slow  # its own scheduler and three worker processes: a minute or two on CPU
+def test_a_scheduler_killed_mid_step_ends_training_with_one_error_naming_it_and_close_returns(
+        processes, tiny_model, prompts, tmp_path, caplog):
+    """The scheduler process is killed by the reward worker while it scores the second step:
+    train() ends at once with SchedulerLost naming the address and the fix (not after
+    timeout_seconds with CommClosedError), and close() returns, logging what it could not save."""
+    from pipeline.fleet.tasks import SchedulerLost
+    from pipeline.trainer import HybridTrainer
+
+    proc, log = processes.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0")
+    (address,) = processes.wait_for(proc, log, r"scheduler at (tcp://\S+)", timeout=60)
+    for role in ("rollout", "reward", "actor"):
+        processes.worker(address, role)
+    flag, scheduler_pid = tmp_path / "kill-now", proc.pid
+
+    def reward(prompt: str, response: str) -> float:  # runs on the reward worker, sent by value
+        if flag.exists():
+            os.kill(scheduler_pid, signal.SIGKILL)
+        return float(len(response))
+
+    layout = {role: {"device_type": "cpu", "workers": 1} for role in ("actor", "reward", "rollout")}
+    trainer = HybridTrainer(tiny_model, reward, load_resource_config({**layout, "timeout_seconds": 300}),
+                            prompts=prompts, scheduler_address=address, output_dir=str(tmp_path / "out"),
+                            **{**GRPO, "kl_coef": 0.0, "steps": 3})
+    started = time.monotonic()
+    with pytest.raises(SchedulerLost) as lost:
+        trainer.train(on_step=lambda record: flag.touch())
+    seconds = time.monotonic() - started
+    assert proc.wait(10) == -signal.SIGKILL and len(trainer.history) == 1
+    message = str(lost.value)
+    assert f"the Dask scheduler at {address} is gone" in message and "Fix: restart it (`dask-rl scheduler`)" in message
+    assert seconds < 120, f"train() took {seconds:.0f}s to notice (timeout_seconds is 300)"
+    with caplog.at_level(logging.WARNING, logger="dask_rl"):
+        trainer.close()  # returns: nothing to save through, nothing to raise
+    assert "the models of policy version 1 were not saved" in caplog.text
+    assert not (tmp_path / "out" / "actor").exists()
