@@ -261,6 +261,20 @@ class RoleCluster:
                                    f"{timeout:.0f}s (timeout_seconds); check their logs and the devices")
             time.sleep(0.2)
 
+    def nanny_states(self, role: str) -> dict[str, str]:
+        """name -> what the Nanny this object started for a `role` worker holds now (its status
+        and worker pid, or none): said in the error when a role's workers do not come back,
+        telling a restart still under way from a Nanny left without a process."""
+        nannies = self.launcher.nannies if self.launcher is not None else self.cluster.workers
+        states = {}
+        for name, spec in self.specs.items():
+            nanny = nannies.get(name)
+            if spec.role == role and nanny is not None:
+                pid = getattr(nanny, "pid", None)
+                states[name] = f"Nanny {getattr(nanny.status, 'name', nanny.status)}, " + (
+                    f"worker pid {pid}" if pid else "no worker process")
+        return states
+
     def drain(self, addresses: list[str], role: str, timeout: float) -> None:
         """Stop routing `role` tasks to `addresses` and wait for their running tasks to end.
 

@@ -167,8 +167,11 @@ class Fleet:
             time.sleep(0.5)
         have = len(self.addresses(role))
         if have == 0:
+            nannies = "; ".join(f"{name}: {state}" for name, state in self.cluster.nanny_states(role).items())
             raise RoleTimeout(f"{role}: no worker came back within timeout_seconds ({self.timeout:.0f}s) after "
-                              f"losing one. Fix: add one with update_resource or `dask-rl worker ... --role {role}`.")
+                              f"losing one{f' ({nannies})' if nannies else ''}. Fix: add one with update_resource "
+                              f"or `dask-rl worker ... --role {role}`, or raise timeout_seconds if it is still "
+                              f"loading.")
         if have < wanted:
             logger.warning("dask-rl: %s continues on %d of %d workers", role, have, wanted)
 

@@ -57,6 +57,8 @@ def test_closing_a_run_that_started_its_cluster_logs_no_error_and_prints_no_trac
                                 dashboard_address=":0", output_dir=str(tmp_path), **GRPO)
         with trainer:
             trainer.train()
+            # What an error about workers that did not come back would say of their Nannies.
+            assert trainer.fleet.cluster.nanny_states("actor")["actor-0"].startswith("Nanny running, worker pid ")
             capfd.readouterr()  # what the start printed is not the close's
         assert trainer.fleet.client.status == "closed"
     finally:
