@@ -10,6 +10,7 @@ import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 from pipeline.rewards import digit_fraction
@@ -45,6 +46,7 @@ def test_the_installed_bokeh_is_inside_the_bound_pyproject_sets():
     assert bokeh.specifier.contains(version("bokeh")), f"bokeh {version('bokeh')} is installed, pyproject asks {bokeh}"
 
 
+@pytest.mark.slow  # its own scheduler, dashboard and three workers (~30 s); the bound above guards the default run
 def test_closing_a_run_that_started_its_cluster_logs_no_error_and_prints_no_traceback(tiny_model, prompts, tmp_path,
                                                                                      capfd):
     """A real run: its own scheduler with the dashboard, three workers, one step, the models saved
