@@ -57,6 +57,10 @@ def test_bad_requests_change_nothing(elastic_cluster, tiny_model, prompts):
         trainer.update_resource("reward", device_ids=[3])
     with pytest.raises(ResourceConfigError, match="reward.strategy"):
         trainer.update_resource("reward", workers=2, strategy="vllm")
+    # A wrong type is the resource file's error naming the argument and the fix, not a TypeError.
+    with pytest.raises(ResourceConfigError, match=r"update_resource: reward.workers: '2': not an integer from 1 to "
+                                                  r"1024 \(one process each\)\. Fix: set workers: 1 or more"):
+        trainer.update_resource(component="reward", workers="2")
     assert {role: _names(elastic_cluster, role) for role in trainer.roles} == before
 
 
