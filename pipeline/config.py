@@ -203,7 +203,6 @@ def _check_number(key: str, value: Any, type_name: str) -> None:
                                f"(counts become tensor sizes and loop bounds), e.g. {default!r}.")
 
 
-
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 # Run inputs that may sit in the `train:` section of a run file besides the hyperparameters.
 INPUT_KEYS = ("actor_model", "reward_model", "reward_function", "critic_model", "reference_model",
