@@ -5,6 +5,7 @@ These tests add, retire and kill workers, so they get their own cluster."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -208,3 +209,35 @@ def test_dask_rl_scale_changes_a_role_of_a_running_training_from_a_shell(elastic
     assert shell["grow"].returncode == 0 and "rollout: +['rollout-" in shell["grow"].stdout
     assert len(elastic_cluster.workers_of("rollout")) == 2
     trainer.update_resource("rollout", workers=1)
+
+
+@pytest.mark.slow  # a worker restart on a busy machine: a minute or more
+@pytest.mark.parametrize("lost_rank", [1, 0])
+def test_saving_after_a_lost_actor_rank_uses_only_the_live_members(elastic_cluster, tiny_model, prompts, tmp_path,
+                                                                   caplog, lost_rank):
+    """A run that ends with a rank of its group gone (as after a fault it could not recover
+    from) saves from the group's live members, never through a task pinned to the dead worker:
+    rank 0 alive writes the model; rank 0 gone leaves it unsaved, saying so."""
+    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
+                            cluster=elastic_cluster, **GRPO)
+    trainer.step()
+    members = trainer.fleet.groups.members("actor")
+    assert len(members) == 2
+    gone = members[lost_rank]
+    pid = submit(elastic_cluster.client, "actor", worker_identity, workers=[gone]).result(60)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while gone in trainer.fleet.addresses("actor") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone not in trainer.fleet.addresses("actor")  # its Nanny's replacement gets a new address
+    with caplog.at_level(logging.WARNING, logger="dask_rl"):
+        saved = trainer.save(str(tmp_path / "saved"))
+    assert f"actor: its group lost ['{gone}']" in caplog.text
+    if lost_rank == 1:
+        assert saved["actor"] == tmp_path / "saved" / "actor"
+        assert (tmp_path / "saved" / "actor" / "config.json").is_file()
+    else:
+        assert "actor" not in saved and not (tmp_path / "saved" / "actor").exists()
+        assert "actor: rank 0 of its group is gone, so its model is not saved" in caplog.text
+    trainer.fleet.await_replacements("actor")  # the next test finds both actor workers
+    trainer.close()
