@@ -124,6 +124,11 @@ class RoleSpecCluster(SpecCluster):
         self.scale(len(self.worker_spec) + len(specs))
 
     def remove(self, names: list[str]) -> None:
+        # Closed by scale_down alone, a Nanny gives its worker 4 s to exit and then 1 s to be
+        # reaped after SIGKILL; on a busy machine a process holding torch takes longer, and the
+        # TimeoutError failed the whole resize. Closed first with more time, as in
+        # RoleCluster.close, they are gone when scale_down looks.
+        self.sync(close_nannies, [self.workers[name] for name in names if name in self.workers], 30)
         self.sync(self.scale_down, names)
 
 
