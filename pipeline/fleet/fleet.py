@@ -31,7 +31,7 @@ from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
 from pipeline.fleet.routes import WeightRoutes
 from pipeline.fleet.scaling import start_adaptive
-from pipeline.fleet.tasks import RoleTimeout, SchedulerLost, scheduler_lost, submit, wait_role
+from pipeline.fleet.tasks import RoleTimeout, SchedulerLost, WorkerLost, scheduler_lost, submit, wait_role
 from pipeline.roles import rollout
 from pipeline.roles.host import WORKER_IMPORTS, RoleHost, plugin_name, role_ready
 from pipeline.roles.saved_state import Recovery, recovery_path
@@ -133,8 +133,27 @@ class Fleet:
         published = self.weights if role == "actor" and self.weights is not None else None
         recovery = Recovery(recovery_path(self.snapshot_dir, role), published.path if published else None,
                             self.version if published else 0)
-        return self.groups.ranks(role, workers, strategy=spec.strategy, backend=backend,
-                                 timeout_seconds=self.timeout, recovery=recovery)
+        try:
+            return self.groups.ranks(role, workers, strategy=spec.strategy, backend=backend,
+                                     timeout_seconds=self.timeout, recovery=recovery)
+        except (OSError, KeyError) as error:  # a member died as its group formed (a closed comm, or not listed)
+            gone = self._departed(role, workers)
+            if not gone:
+                raise
+            # As a lost rank: the update's redo waits for its replacement and forms the group anew.
+            raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster while its process group "
+                             f"formed") from error
+
+    def _departed(self, role: str, workers: list[str], grace: float = 30.0) -> list[str]:
+        """Those of `workers` the scheduler no longer lists, waiting (bounded) for it to notice
+        a worker that just died: until then the role still counts it, and a redo would not know
+        that it lost one."""
+        deadline = time.monotonic() + min(grace, self.timeout)
+        while True:
+            gone = sorted(set(workers) - set(self.addresses(role)))
+            if gone or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.2)
 
     def recovery_path(self, role: str) -> str:
         """Where the role's rank 0 saves its state after an update (see roles/saved_state.py)."""
