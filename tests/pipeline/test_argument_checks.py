@@ -113,3 +113,15 @@ def test_command_numbers_are_bounded_with_the_limit_in_one_line(args, message):
     result = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=ROOT,
                             timeout=120)
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_a_change_says_how_many_workers_the_role_has_in_all_and_how_many_the_trainer_manages():
+    from pipeline.fleet.reconcile import ResourceChange
+
+    connected = ResourceChange("rollout", ("rollout-1", "rollout-2"), (), ("rollout-host-0", "rollout-1", "rollout-2"),
+                               (), "hf", 12.0, managed=("rollout-1", "rollout-2"))
+    assert str(connected) == ("rollout: +['rollout-1', 'rollout-2'] -[] -> 2 CPU workers managed by this trainer, 3 in "
+                              "all (1 joined from elsewhere, not counted by workers=N), strategy hf (12.0s)")
+    local = ResourceChange("reward", ("reward-1",), (), ("reward-0", "reward-1"), (), "data_parallel", 3.0,
+                           managed=("reward-0", "reward-1"))
+    assert str(local) == "reward: +['reward-1'] -[] -> 2 CPU workers, strategy data_parallel (3.0s)"
