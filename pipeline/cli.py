@@ -18,6 +18,37 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}. Fix: see `{self.prog} --help`.\n")
 
 
+def _bounded(kind: type, low: float, high: float, what: str):
+    """An argparse type: a `kind` from `low` to `high`, the same limits as the run and resource
+    files (a wrong one is one line naming the flag, the limit and the fix)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:  # nan fails this too
+            raise argparse.ArgumentTypeError(f"{text} is not {what} from {low} to {high}")
+        return value
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def _seconds():
+    from resources.validate import MAX_TIMEOUT_SECONDS
+
+    return _bounded(float, 1e-3, MAX_TIMEOUT_SECONDS, "a number of seconds")
+
+
+def _workers(low: int = 1):
+    from resources.validate import MAX_ROLE_WORKERS
+
+    return _bounded(int, low, MAX_ROLE_WORKERS, "a number of workers")
+
+
+_GPU_ID = _bounded(int, 0, 2**31 - 1, "a GPU id (NVML index)")
+_PORT = _bounded(int, 0, 65535, "a TCP port")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every error ends the command with one line on stderr naming the cause (and the fix,
     where the error knows it) and exit status 2; `--debug` prints the traceback too."""
@@ -35,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_tls_flags(run)
     run.add_argument("--resume", nargs="?", const=True, metavar="DIR",
                      help="continue from the newest valid checkpoint under DIR (default: the output directory)")
-    run.add_argument("--sample-every", type=int, default=10, metavar="N",
+    run.add_argument("--sample-every", type=_bounded(int, 0, 2**31 - 1, "a number of steps"), default=10, metavar="N",
                      help="print one prompt/response/reward every N steps (0: never)")
     _add_cluster_commands(commands)
     for command in (parser, *commands.choices.values()):  # `dask-rl --debug run f` and `dask-rl run f --debug`
@@ -122,13 +153,14 @@ def _add_cluster_commands(commands) -> None:
         description="Join a running scheduler (`dask-rl scheduler` or a trainer's own) as role-tagged workers.")
     worker.add_argument("address", help="the scheduler, e.g. tcp://host-a:8786")
     worker.add_argument("--role", required=True, help="actor, critic, reference, reward or rollout")
-    worker.add_argument("--device-ids", type=int, nargs="+", metavar="ID",
+    worker.add_argument("--device-ids", type=_GPU_ID, nargs="+", metavar="ID",
                         help="GPUs (NVML index) to start one worker each on; leave out for CPU workers")
-    worker.add_argument("--workers", type=int, help="number of CPU workers (default 1; not with --device-ids)")
+    worker.add_argument("--workers", type=_workers(), help="number of CPU workers (default 1; not with --device-ids)")
     worker.add_argument("--name", help="worker name (default {role}-{hostname}-gpu{id} or {role}-{hostname}-{k})")
-    worker.add_argument("--nthreads", type=int, default=1, help=argparse.SUPPRESS)
+    worker.add_argument("--nthreads", type=_bounded(int, 1, 1024, "a number of threads"), default=1,
+                        help=argparse.SUPPRESS)
     worker.add_argument("--allow-busy", action="store_true", help="start even on a GPU NVML reports busy")
-    worker.add_argument("--timeout", type=float, default=30.0, help="seconds to reach the scheduler")
+    worker.add_argument("--timeout", type=_seconds(), default=30.0, help="seconds to reach the scheduler")
     worker.add_argument("--host", help="interface the workers listen on (default: every interface, since the "
                                        "scheduler and other hosts' workers connect to them)")
     _add_tls_flags(worker)
@@ -137,16 +169,18 @@ def _add_cluster_commands(commands) -> None:
                                             "it applies the change at its next step boundary.")
     scale.add_argument("address", help="the training's scheduler, e.g. tcp://host-a:8786")
     scale.add_argument("--role", required=True, help="actor, critic, reference, reward or rollout")
-    scale.add_argument("--device-ids", type=int, nargs="+", metavar="ID", help="the role's GPUs after the change")
-    scale.add_argument("--workers", type=int, help="the role's CPU workers after the change")
+    scale.add_argument("--device-ids", type=_GPU_ID, nargs="+", metavar="ID", help="the role's GPUs after the change")
+    # --workers 0 is left to the trainer, which says why the last worker of a role cannot go.
+    scale.add_argument("--workers", type=_workers(low=0),
+                       help="the role's CPU workers after the change")
     scale.add_argument("--strategy", help="e.g. data_parallel for reward on several devices")
     scale.add_argument("--device-type", choices=("cuda", "cpu"), help="move the role between GPUs and CPU")
-    scale.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the trainer's answer")
+    scale.add_argument("--timeout", type=_seconds(), default=600.0, help="seconds to wait for the trainer's answer")
     _add_tls_flags(scale)
     scheduler = commands.add_parser("scheduler", help="run a scheduler for trainers and `dask-rl worker`s to join",
                                     description="A Dask scheduler with dask-rl's settings.")
     _add_listen_flags(scheduler, "the scheduler and its dashboard")
-    scheduler.add_argument("--port", type=int, default=8786)
+    scheduler.add_argument("--port", type=_PORT, default=8786)
     scheduler.add_argument("--preload", action="append", default=[], help="module to import in the scheduler")
     _add_tls_flags(scheduler)
 
@@ -174,6 +208,7 @@ def run_scale(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     """`dask-rl worker ADDRESS --role ROLE [...]`: blocks until Ctrl-C or until retired."""
+    from pipeline.roles.host import WORKER_IMPORTS
     from resources.worker import WorkerStartError, start_role_worker
 
     if args.device_ids and args.workers is not None:
@@ -183,7 +218,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         start_role_worker(args.address, args.role, args.device_ids, name=args.name, nthreads=args.nthreads,
                           workers=args.workers or 1, allow_busy=args.allow_busy, timeout=args.timeout,
-                          host=args.host, security=security_from(args))
+                          host=args.host, security=security_from(args), imports=WORKER_IMPORTS)
     except WorkerStartError as error:
         print(f"dask-rl worker: {error}", file=sys.stderr)
         return 2

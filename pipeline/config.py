@@ -24,6 +24,11 @@ class TrainConfigError(ValueError):
     """A bad `train:` key or trainer argument; the message names the key and the fix."""
 
 
+# Counts become loop bounds and tensor sizes, and a product of two of them (prompts_per_step x
+# samples_per_prompt rows) must still fit torch's 64-bit sizes: each is at most 2**31 - 1.
+MAX_COUNT = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """`train.checkpoint`: save the full training state every `every_n_steps` steps (0 = only
@@ -36,8 +41,9 @@ class CheckpointConfig:
         for key, low, fix in (("every_n_steps", 0, "use 0 (off) or a number of steps, e.g. 50"),
                               ("keep_last", 1, "keep 1 or more checkpoints, e.g. 2")):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise TrainConfigError(f"train.checkpoint.{key}: {_shown(value)} is not allowed. Fix: {fix}.")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_COUNT:
+                raise TrainConfigError(f"train.checkpoint.{key}: {_shown(value)} is not allowed. Fix: {fix} "
+                                       f"(at most {MAX_COUNT}).")
 
     @classmethod
     def of(cls, value: Any, source: str) -> CheckpointConfig:
@@ -229,6 +235,9 @@ def _check_number(key: str, value: Any, type_name: str) -> None:
     if not finite:
         raise TrainConfigError(f"train.{key}: {_shown(value)} is not allowed. Fix: use a finite number, "
                                f"e.g. {default!r}.")
+    if type_name == "int" and key != "seed" and abs(value) > MAX_COUNT:  # the seed has its own range
+        raise TrainConfigError(f"train.{key}: {_shown(value)} is not allowed. Fix: use at most {MAX_COUNT} "
+                               f"(counts become tensor sizes and loop bounds), e.g. {default!r}.")
 
 
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}

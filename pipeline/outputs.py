@@ -142,9 +142,15 @@ class RunOutputs:
         return saved
 
     def close(self, fleet) -> None:
-        """Save the models if trained since they were last saved here; close the loggers."""
+        """Save the models if trained since they were last saved here; close the loggers.
+        Without a scheduler nothing can be saved (the models live on the workers): that is
+        logged, with the newest checkpoint to resume from, and closing goes on."""
         try:
-            if fleet.version != self.saved_version:
+            lost = fleet.scheduler_lost("saving the models at close")
+            if lost is not None and fleet.version != self.saved_version:
+                logger.warning("dask-rl: the models of policy version %d were not saved: %s Newest checkpoint: %s",
+                               fleet.version, lost, self.last_checkpoint or "none (train.checkpoint is off)")
+            elif fleet.version != self.saved_version:
                 self.save_models(fleet)
         finally:
             if self._tensorboard:

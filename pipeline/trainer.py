@@ -142,6 +142,8 @@ class HybridTrainer:
         checkpoint, or to call update_resource between two steps; request_stop() ends it.
         """
         done = len(self.history)
+        if steps is not None:  # the run file's check of `steps`, naming this argument
+            steps = make_train_config({"steps": steps}, source="train(steps=...)").steps
         total = steps or max(0, self.train_config.steps - self.first_step - done)
         bar = tqdm(range(total), desc=f"dask-rl {self.train_config.algorithm}", disable=not self.show_progress)
         if self.resources.adaptive and not self.fleet.adapting:  # the file's `adaptive:` section
@@ -285,9 +287,10 @@ class HybridTrainer:
         try:
             self.outputs.close(self.fleet)
         finally:
-            self.batches.cancel()
-            if self.evaluation is not None:
-                self.evaluation.cancel()
+            if self.fleet.scheduler_lost() is None:  # a lost scheduler took the batches with it
+                self.batches.cancel()
+                if self.evaluation is not None:
+                    self.evaluation.cancel()
             self.fleet.close()
 
     def __enter__(self) -> HybridTrainer:

@@ -124,6 +124,11 @@ class RoleSpecCluster(SpecCluster):
         self.scale(len(self.worker_spec) + len(specs))
 
     def remove(self, names: list[str]) -> None:
+        # Closed by scale_down alone, a Nanny gives its worker 4 s to exit and then 1 s to be
+        # reaped after SIGKILL; on a busy machine a process holding torch takes longer, and the
+        # TimeoutError failed the whole resize. Closed first with more time, as in
+        # RoleCluster.close, they are gone when scale_down looks.
+        self.sync(close_nannies, [self.workers[name] for name in names if name in self.workers], 30)
         self.sync(self.scale_down, names)
 
 
@@ -166,7 +171,7 @@ class RoleCluster:
 
     @classmethod
     def connect(cls, address: str, roles: Iterable[str] = (), *, timeout: float,
-                security: Security | None = None) -> RoleCluster:
+                security: Security | None = None, worker_imports: Iterable[str] = ()) -> RoleCluster:
         """Join the scheduler at `address` and wait until every role in `roles` has a worker.
 
         No scheduler and no worker is started: the workers are `dask-rl worker` processes
@@ -174,7 +179,8 @@ class RoleCluster:
         starts workers on this host; close() stops those and leaves the scheduler and the
         remote workers running. `specs` holds only the workers this object started, so
         update_resource never retires a worker some other host owns. A `tls://` scheduler
-        needs `security` (tls_security), which the workers started here use too.
+        needs `security` (tls_security), which the workers started here use too, as they
+        use `worker_imports`.
         """
         configure_dask()
         self = cls.__new__(cls)  # no SpecCluster: __init__ would start one
@@ -184,7 +190,8 @@ class RoleCluster:
         except OSError as error:
             raise ConnectionError(f"could not reach a Dask scheduler at {address} within {timeout:.0f}s ({error}). "
                                   f"Fix: start one with `dask-rl scheduler` and check the host and port") from error
-        self.launcher = LocalLauncher(self.client, security)
+        self.worker_imports = tuple(worker_imports)
+        self.launcher = LocalLauncher(self.client, security, self.worker_imports)
         try:
             self._wait_for_roles(tuple(roles), timeout)
         except BaseException:
@@ -258,6 +265,20 @@ class RoleCluster:
                 raise TimeoutError(f"workers {sorted(names - set(live))} did not join the scheduler within "
                                    f"{timeout:.0f}s (timeout_seconds); check their logs and the devices")
             time.sleep(0.2)
+
+    def nanny_states(self, role: str) -> dict[str, str]:
+        """name -> what the Nanny this object started for a `role` worker holds now (its status
+        and worker pid, or none): said in the error when a role's workers do not come back,
+        telling a restart still under way from a Nanny left without a process."""
+        nannies = self.launcher.nannies if self.launcher is not None else self.cluster.workers
+        states = {}
+        for name, spec in self.specs.items():
+            nanny = nannies.get(name)
+            if spec.role == role and nanny is not None:
+                pid = getattr(nanny, "pid", None)
+                states[name] = f"Nanny {getattr(nanny.status, 'name', nanny.status)}, " + (
+                    f"worker pid {pid}" if pid else "no worker process")
+        return states
 
     def drain(self, addresses: list[str], role: str, timeout: float) -> None:
         """Stop routing `role` tasks to `addresses` and wait for their running tasks to end.

@@ -19,6 +19,7 @@ import importlib
 import logging
 import signal
 import threading
+import time
 from typing import Iterable
 
 from distributed import Client, Nanny
@@ -76,14 +77,17 @@ class BackgroundImports(WorkerPlugin):
 
     def setup(self, worker) -> None:
         self.done = threading.Event()
+        self.seconds: float | None = None  # how long the imports took, once done (for reports)
         threading.Thread(target=self._run, name=self.name, daemon=True).start()
 
     def _run(self) -> None:
+        start = time.perf_counter()
         for module in self.modules:
             try:
                 importlib.import_module(module)
             except Exception as error:  # noqa: BLE001 - raised again where the module is used
                 logger.debug("dask-rl: background import of %s failed: %r", module, error)
+        self.seconds = time.perf_counter() - start
         self.done.set()
 
     def wait(self) -> None:
@@ -119,14 +123,16 @@ def _cuda_worker_plugins(device_id: int) -> set:
 
 
 async def start_nannies(scheduler_address: str, workers: Iterable[WorkerSpec], *, host: str | None = None,
-                        security: Security | None = None) -> dict[str, Nanny]:
+                        security: Security | None = None, imports: tuple[str, ...] = ()) -> dict[str, Nanny]:
     """Start one Nanny-managed worker process per spec; returns name -> Nanny once all joined.
+    `imports`: modules each worker starts importing as its process comes up (BackgroundImports).
 
     A Nanny's start returns after its worker registered with the scheduler and ran every
     worker plugin's setup, i.e. after a role worker has loaded its model. If one fails to
     start, the ones already started are closed again and the error is raised.
     """
-    nannies = {w.name: Nanny(scheduler_address, **dask_worker_spec(w, host=host, security=security)["options"])
+    nannies = {w.name: Nanny(scheduler_address,
+                             **dask_worker_spec(w, host=host, security=security, imports=imports)["options"])
                for w in workers}
     results = await asyncio.gather(*nannies.values(), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -150,9 +156,10 @@ class LocalLauncher:
     and never touches the scheduler or anybody else's workers.
     """
 
-    def __init__(self, client: Client, security: Security | None = None):
+    def __init__(self, client: Client, security: Security | None = None, imports: tuple[str, ...] = ()):
         self.client = client
         self.security = security  # the client's TLS settings serve its workers too
+        self.imports = tuple(imports)
         self.nannies: dict[str, Nanny] = {}
 
     @property
@@ -161,7 +168,7 @@ class LocalLauncher:
 
     def start(self, workers: list[WorkerSpec], timeout: float) -> None:
         started = self.client.sync(start_nannies, self.scheduler_address, workers, security=self.security,
-                                   callback_timeout=timeout)
+                                   imports=self.imports, callback_timeout=timeout)
         self.nannies.update(started)
 
     def stop(self, names: Iterable[str]) -> None:

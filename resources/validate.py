@@ -9,6 +9,7 @@ resources.yaml_reader (the defensive file reader); neither imports it back.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -26,9 +27,20 @@ from resources.devices import GpuInfo
 from resources.vllm_keys import SET_BY_DASK_RL
 from resources.yaml_reader import read_yaml
 
-__all__ = ["load_resource_config", "parse_resource_config", "with_role"]
+__all__ = ["MAX_ROLE_WORKERS", "MAX_TIMEOUT_SECONDS", "load_resource_config", "parse_resource_config",
+           "with_changes", "with_role"]
 
 _MISSING: Any = object()
+
+# Upper bounds, each far above any real run and below what the code that uses the number takes:
+# - timeout_seconds feeds datetime.timedelta (at most ~8.6e13 s), threading's Event.wait (at
+#   most threading.TIMEOUT_MAX, ~9.2e9 s on Linux) and Dask's timeouts: 10**7 s (~116 days).
+MAX_TIMEOUT_SECONDS = 10_000_000
+# - a CPU role's workers are processes started on this machine, each holding its own model;
+#   adaptive bounds count the same workers.
+MAX_ROLE_WORKERS = 1024
+# - vLLM's counts (max_model_len, max_num_seqs, ...) reach its kernels as 32-bit integers.
+MAX_ENGINE_COUNT = 2**31 - 1
 
 
 def load_resource_config(source: str | os.PathLike | Mapping, *,
@@ -43,6 +55,17 @@ def load_resource_config(source: str | os.PathLike | Mapping, *,
 def parse_resource_config(data: Mapping, *, source: str = "<dict>",
                           gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
     return _Parser(source, gpus, owned=set()).parse(data)
+
+
+def with_changes(config: ResourceConfig, changes: Mapping, *, source: str,
+                 gpus: Sequence[GpuInfo] | None = None) -> ResourceConfig:
+    """A copy of `config` with top-level keys replaced by `changes`, written as in a resource
+    file (e.g. {"reward": {"device_type": "cpu", "workers": 2}}) and checked exactly as one:
+    update_resource's, adapt()'s and `dask-rl scale`'s arguments go through this. Errors name
+    `source` (e.g. "update_resource") and the key; the copy keeps the config's own source."""
+    data = {**config.to_dict(), **changes}
+    parsed = _Parser(source, gpus, owned=set(config.gpu_ids)).parse(data)
+    return dataclasses.replace(parsed, source=config.source)
 
 
 def with_role(config: ResourceConfig, spec: RoleSpec, *,
@@ -95,6 +118,14 @@ def _is_positive_number(value: Any) -> bool:
         return False
 
 
+def _is_timeout(value: Any) -> bool:
+    return _is_positive_number(value) and value <= MAX_TIMEOUT_SECONDS
+
+
+def _is_worker_count(value: Any) -> bool:
+    return _is_int(value) and 1 <= value <= MAX_ROLE_WORKERS
+
+
 def _is_fraction(value: Any) -> bool:
     """0 <= value < 1 (a share of GPU memory); YAML `true`, nan and huge ints are not."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -113,8 +144,9 @@ def _bad_engine_number(key: str, value: Any) -> tuple[str, str] | None:
     """(problem, fix) for a vllm_args value out of its range, else None."""
     if key in _ENGINE_FRACTIONS and not (_is_positive_number(value) and value <= 1):
         return "expected a fraction of the GPU's memory in (0, 1]", f"use {_ENGINE_FRACTIONS[key]}"
-    if key in _ENGINE_COUNTS and not (_is_int(value) and value >= 1):
-        return "expected an integer >= 1", f"use {_ENGINE_COUNTS[key]}"
+    if key in _ENGINE_COUNTS and not (_is_int(value) and 1 <= value <= MAX_ENGINE_COUNT):
+        return (f"expected an integer from 1 to {MAX_ENGINE_COUNT} (vLLM takes it as a 32-bit integer)",
+                f"use {_ENGINE_COUNTS[key]}")
     if isinstance(value, float) and not math.isfinite(value):
         return "not a finite number", "use a finite number, or remove the key to take vLLM's default"
     return None
@@ -163,9 +195,10 @@ class _Parser:
             roles=FrozenMap(self.roles(data)),
             comm_backend=self.scalar(data, "comm_backend", "auto", COMM_BACKENDS.__contains__,
                                      "not a backend", "use nccl, gloo or auto"),
-            timeout_seconds=float(self.scalar(data, "timeout_seconds", DEFAULT_TIMEOUT_SECONDS, _is_positive_number,
-                                              "expected a number of seconds > 0, not inf or nan",
-                                              "use e.g. timeout_seconds: 180")),
+            timeout_seconds=float(self.scalar(
+                data, "timeout_seconds", DEFAULT_TIMEOUT_SECONDS, _is_timeout,
+                f"expected a number of seconds > 0 and at most {MAX_TIMEOUT_SECONDS} (about 116 days; the waits "
+                "it bounds overflow far above), not inf or nan", "use e.g. timeout_seconds: 180")),
             allow_shared_devices=self.flag(data, "allow_shared_devices"),
             allow_busy_devices=self.flag(data, "allow_busy_devices"),
             busy_memory_fraction=float(self.scalar(
@@ -259,9 +292,9 @@ class _Parser:
             raise self.error(f"{role}.device_ids", ids, "a cpu role takes no GPU ids",
                              "write device_ids: [] (or remove it), or use device_type: cuda")
         workers = raw.get("workers", 1)
-        if not _is_int(workers) or workers < 1:
-            raise self.error(f"{role}.workers", workers, "not an integer >= 1",
-                             "set workers: 1 or more")
+        if not _is_worker_count(workers):
+            raise self.error(f"{role}.workers", workers, f"not an integer from 1 to {MAX_ROLE_WORKERS} (one "
+                             "process each)", f"set workers: 1 or more, at most {MAX_ROLE_WORKERS}")
         return (), workers
 
     def strategy(self, role: str, value: Any, workers: int, device_type: str = "cpu") -> str:
@@ -325,8 +358,8 @@ class _Parser:
         if not isinstance(raw, Mapping) or set(raw) != {"min", "max"}:
             raise self.error(path, raw, "bounds need exactly min and max", example)
         low, high = raw["min"], raw["max"]
-        if not (_is_int(low) and _is_int(high) and 1 <= low <= high):
-            raise self.error(path, raw, "need integers with 1 <= min <= max", example)
+        if not (_is_worker_count(low) and _is_worker_count(high) and low <= high):
+            raise self.error(path, raw, f"need integers with 1 <= min <= max <= {MAX_ROLE_WORKERS}", example)
         return AdaptiveBounds(low, high)
 
     def check_backend(self, config: ResourceConfig) -> None:

@@ -131,7 +131,8 @@ async def _names_on(scheduler_address: str, timeout: float, security=None) -> se
 
 
 async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | None, workers: int,
-                 role: str, hostname: str | None, timeout: float, host: str | None, security) -> None:
+                 role: str, hostname: str | None, timeout: float, host: str | None, security,
+                 imports: tuple[str, ...] = ()) -> None:
     from resources.launcher import close_nannies, start_nannies
 
     try:
@@ -149,7 +150,7 @@ async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | No
         raise WorkerStartError(f"worker name {clash[0]!r} is already taken on {scheduler_address}. Fix: pass "
                                f"--name with another name (is this GPU's worker already running?)")
     try:
-        nannies = await start_nannies(scheduler_address, specs, host=host, security=security)
+        nannies = await start_nannies(scheduler_address, specs, host=host, security=security, imports=imports)
     except Exception as error:  # e.g. a name another host took meanwhile; the worker log says more
         raise WorkerStartError(f"workers {[s.name for s in specs]} failed to join {scheduler_address}: "
                                f"{error!r}") from error
@@ -175,8 +176,12 @@ async def _serve(scheduler_address: str, specs: list[WorkerSpec], name: str | No
 def start_role_worker(scheduler_address: str, role: str, device_ids: list[int] | None = None,
                       name: str | None = None, nthreads: int = 1, *, workers: int = 1,
                       allow_busy: bool = False, hostname: str | None = None, timeout: float = 30.0,
-                      host: str | None = None, security=None) -> None:
+                      host: str | None = None, security=None, imports: tuple[str, ...] = ()) -> None:
     """Join `scheduler_address` as `role` workers and block until interrupted or retired.
+
+    `imports`: modules each worker starts importing as its process comes up, as the
+    trainer's own workers do (launcher.BackgroundImports; `dask-rl worker` passes the role
+    plugins' imports: torch and transformers), so that they load while the worker joins.
 
     `host`: the interface the workers listen on (None: every interface, so that the
     scheduler and the workers on other hosts reach them); `security`: TLS settings
@@ -194,4 +199,5 @@ def start_role_worker(scheduler_address: str, role: str, device_ids: list[int] |
         validate_device_ids(device_ids, allow_busy)
     check_scheduler(scheduler_address)  # after the local checks: a wrong role is named whatever the network
     configure_dask()  # the Nannies hand this config to their workers
-    asyncio.run(_serve(scheduler_address, specs, name, workers, role, hostname, timeout, host, security))
+    asyncio.run(_serve(scheduler_address, specs, name, workers, role, hostname, timeout, host, security,
+                       tuple(imports)))

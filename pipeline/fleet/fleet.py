@@ -31,7 +31,7 @@ from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
 from pipeline.fleet.routes import WeightRoutes
 from pipeline.fleet.scaling import start_adaptive
-from pipeline.fleet.tasks import RoleTimeout, submit, wait_role
+from pipeline.fleet.tasks import RoleTimeout, SchedulerLost, WorkerLost, scheduler_lost, submit, wait_role
 from pipeline.roles import rollout
 from pipeline.roles.host import WORKER_IMPORTS, RoleHost, plugin_name, role_ready
 from pipeline.roles.saved_state import Recovery, recovery_path
@@ -66,7 +66,8 @@ class Fleet:
         self.snapshot_dir = snapshot_dir
         self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
         if cluster is None and scheduler_address is not None:
-            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds, security=security)
+            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds, security=security,
+                                          worker_imports=WORKER_IMPORTS)
         self.cluster = cluster or RoleCluster([w for w in plan_workers(config) if w.role in roles],
                                               dashboard_address=dashboard_address, host=host, security=security,
                                               preload=["pipeline.dashboard"],  # the RL page and its monitor
@@ -133,8 +134,27 @@ class Fleet:
         published = self.weights if role == "actor" and self.weights is not None else None
         recovery = Recovery(recovery_path(self.snapshot_dir, role), published.path if published else None,
                             self.version if published else 0)
-        return self.groups.ranks(role, workers, strategy=spec.strategy, backend=backend,
-                                 timeout_seconds=self.timeout, recovery=recovery)
+        try:
+            return self.groups.ranks(role, workers, strategy=spec.strategy, backend=backend,
+                                     timeout_seconds=self.timeout, recovery=recovery)
+        except (OSError, KeyError) as error:  # a member died as its group formed (a closed comm, or not listed)
+            gone = self._departed(role, workers)
+            if not gone:
+                raise
+            # As a lost rank: the update's redo waits for its replacement and forms the group anew.
+            raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster while its process group "
+                             f"formed") from error
+
+    def _departed(self, role: str, workers: list[str], grace: float = 30.0) -> list[str]:
+        """Those of `workers` the scheduler no longer lists, waiting (bounded) for it to notice
+        a worker that just died: until then the role still counts it, and a redo would not know
+        that it lost one."""
+        deadline = time.monotonic() + min(grace, self.timeout)
+        while True:
+            gone = sorted(set(workers) - set(self.addresses(role)))
+            if gone or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.2)
 
     def recovery_path(self, role: str) -> str:
         """Where the role's rank 0 saves its state after an update (see roles/saved_state.py)."""
@@ -167,8 +187,11 @@ class Fleet:
             time.sleep(0.5)
         have = len(self.addresses(role))
         if have == 0:
+            nannies = "; ".join(f"{name}: {state}" for name, state in self.cluster.nanny_states(role).items())
             raise RoleTimeout(f"{role}: no worker came back within timeout_seconds ({self.timeout:.0f}s) after "
-                              f"losing one. Fix: add one with update_resource or `dask-rl worker ... --role {role}`.")
+                              f"losing one{f' ({nannies})' if nannies else ''}. Fix: add one with update_resource "
+                              f"or `dask-rl worker ... --role {role}`, or raise timeout_seconds if it is still "
+                              f"loading.")
         if have < wanted:
             logger.warning("dask-rl: %s continues on %d of %d workers", role, have, wanted)
 
@@ -198,16 +221,27 @@ class Fleet:
         self.routes.after_publish(handle, actor_address, self.timeout)
 
     # -- placement changes -----------------------------------------------------------------
+    def scheduler_lost(self, doing: str = "training") -> SchedulerLost | None:
+        """The error to raise if the client lost its scheduler, else None."""
+        return scheduler_lost(self.client, doing)
+
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """Marks the calling thread as the training loop: trainable-role changes asked for
-        from other threads wait for its next step boundary."""
+        from other threads wait for its next step boundary. Whatever a lost scheduler makes
+        fail inside (a wait, a fetch, a publish) ends as one SchedulerLost naming it."""
         self._train_thread = threading.current_thread()
         try:
             yield
+        except Exception as error:
+            lost = self.scheduler_lost(f"training ({type(error).__name__} in the step)")
+            if lost is None or isinstance(error, SchedulerLost):
+                raise
+            raise lost from error
         finally:
             self._train_thread = None
-            self.at_boundary()  # a request that raced the last step is not left waiting
+            if self.scheduler_lost() is None:
+                self.at_boundary()  # a request that raced the last step is not left waiting
 
     def update_resource(self, request: ResourceRequest) -> list[ResourceChange]:
         """Validate `request` against the current placement (a bad one raises, nothing
@@ -260,9 +294,10 @@ class Fleet:
                 self.cluster.drain(removed, role, self.timeout)
                 self.cluster.retire(removed)
             spec = new_config.role(role)
-            change = ResourceChange(role, tuple(sorted(added)), tuple(w.name for w in retire),
-                                    tuple(w["name"] for w in self.cluster.workers_of(role)), spec.device_ids,
-                                    spec.strategy, time.perf_counter() - start_time, ready)
+            names = tuple(w["name"] for w in self.cluster.workers_of(role))
+            change = ResourceChange(role, tuple(sorted(added)), tuple(w.name for w in retire), names, spec.device_ids,
+                                    spec.strategy, time.perf_counter() - start_time, ready,
+                                    managed=tuple(name for name in names if name in self.cluster.specs))
             logger.warning("dask-rl: %s", change)
             events.emit("scale", str(change), client=self.client, role=role, added=list(change.added),
                         removed=list(change.removed))
@@ -307,7 +342,7 @@ class Fleet:
         adaptive.stop(timeout=0)
         deadline = time.monotonic() + self.timeout
         while adaptive.running and time.monotonic() < deadline:
-            if self._train_thread is None:
+            if self._train_thread is None and self.scheduler_lost() is None:
                 self.at_boundary()
             adaptive.stop(timeout=0.2)
 
@@ -317,7 +352,7 @@ class Fleet:
         fleet started). Never raises: a scheduler already gone only shortens the work."""
         try:
             self.stop_adapting()
-            for address in self.addresses("actor"):  # snapshots live on the actor's host
+            for address in [] if self.scheduler_lost() else self.addresses("actor"):  # the actor's host's snapshots
                 self.client.run(shutil.rmtree, self.snapshot_dir, True, workers=[address])
         except Exception as error:  # noqa: BLE001 - closing after a fault must not replace it
             logger.warning("dask-rl: the cluster did not answer while closing (%s); cleaning up locally", error)

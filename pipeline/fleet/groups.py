@@ -57,10 +57,10 @@ class ProcessGroups:
         known = self._groups.get(role)
         restore, lost = None, None
         if known is None or known[:2] != (members, strategy) or role in self._broken:
-            self._broken.discard(role)
             generation = 0 if known is None else known[2] + 1
             host = live_workers(self.client)[members[0]]["host"]
             port = self.client.run(free_port, workers=[members[0]])[members[0]]
+            self._broken.discard(role)  # only once the new generation exists: a failed start keeps it broken
             self._groups[role] = known = (members, strategy, generation, f"tcp://{host}:{port}")
             restore = self.restore_paths.pop(role, None)
             lost = recovery if restore is None and generation > 0 else None

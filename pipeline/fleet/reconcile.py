@@ -3,12 +3,12 @@ and the report of what it changed. The Fleet applies it (fleet.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from pipeline.roles import actor, critic
-from resources.config import ResourceConfig, RoleSpec
-from resources.validate import with_role
+from resources.config import ResourceConfig
+from resources.validate import with_changes
 
 # The roles whose state lives in a process group: a resize exports it first (these tasks).
 TRAINABLE_EXPORTS = {"actor": actor.export_state, "critic": critic.export_state}
@@ -37,27 +37,37 @@ class ResourceChange:
     strategy: str
     seconds: float               # the whole change: start, load, drain, retire
     ready_seconds: float = 0.0   # from the call to the new workers' first task done (0 if none added)
+    # Of `workers`, those this trainer started and manages: what workers=N and device_ids count.
+    # The others joined from elsewhere (`dask-rl worker`) and are stopped from their own host.
+    managed: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        where = f"GPUs {list(self.devices)}" if self.devices else f"{len(self.workers)} CPU workers"
+        where = f"GPUs {list(self.devices)}" if self.devices else f"{len(self.managed)} CPU workers"
+        joined = len(self.workers) - len(self.managed)
+        if joined:
+            where += (f" managed by this trainer, {len(self.workers)} in all ({joined} joined from elsewhere, "
+                      f"not counted by workers=N)")
         return (f"{self.role}: +{list(self.added)} -{list(self.removed)} -> {where}, strategy "
                 f"{self.strategy} ({self.seconds:.1f}s)")
 
 
 def requested_config(config: ResourceConfig, request: ResourceRequest) -> ResourceConfig:
-    """The whole placement after `request`, validated like a fresh file (the one validation a
-    request gets); errors name the argument and the fix."""
-    return with_role(config, requested_spec(config, request))
+    """The whole placement after `request`, validated like a fresh file: the arguments are
+    written as the role's section of a resource file and go through the file's checks (types,
+    ranges, limits), so a wrong one is one error naming the key, the value and the fix."""
+    return with_changes(config, {request.component: requested_settings(config, request)}, source="update_resource")
 
 
-def requested_spec(config: ResourceConfig, request: ResourceRequest) -> RoleSpec:
+def requested_settings(config: ResourceConfig, request: ResourceRequest) -> dict[str, Any]:
+    """The role's section of a resource file that `request` asks for. Only what the file's
+    checks cannot say is checked here: which arguments go together."""
     component, device_ids, workers, device_type = (request.component, request.device_ids, request.workers,
                                                    request.device_type)
-    if component not in config.roles:
+    if not isinstance(component, str) or component not in config.roles:
         raise ValueError(f"update_resource: unknown component {component!r}. Fix: use one of {sorted(config.roles)}.")
     current = config.role(component)
-    kind = device_type or current.device_type
-    if kind not in ("cuda", "cpu"):
+    kind = current.device_type if device_type is None else device_type
+    if not isinstance(kind, str) or kind not in ("cuda", "cpu"):
         raise ValueError(f"update_resource: device_type={device_type!r}. Fix: use 'cuda' or 'cpu'.")
     if kind == "cuda":
         if workers is not None and device_ids is None:
@@ -65,15 +75,23 @@ def requested_spec(config: ResourceConfig, request: ResourceRequest) -> RoleSpec
                              f"workers=, or device_type='cpu' to move it to CPU workers")
         if device_ids is None and current.device_type != "cuda":
             raise ValueError(f"update_resource: moving {component} to GPUs needs device_ids=[...]")
-        ids = tuple(current.device_ids if device_ids is None else device_ids)
-        spec = replace(current, device_type="cuda", device_ids=ids, workers=len(ids), placed_with=None)
+        ids = current.device_ids if device_ids is None else device_ids
+        settings: dict[str, Any] = {"device_type": "cuda",
+                                    "device_ids": list(ids) if isinstance(ids, (list, tuple)) else ids}
+        if workers is not None:
+            settings["workers"] = workers
+        emptied = isinstance(ids, (list, tuple)) and not ids
     else:
-        if device_ids:
+        if device_ids is not None and device_ids != [] and device_ids != ():
             raise ValueError(f"update_resource: {component} runs on CPU workers; give workers=N, not device_ids "
                              f"(or device_type='cuda' to move it to GPUs)")
         count = workers if workers is not None else (current.workers if current.device_type == "cpu" else 1)
-        spec = replace(current, device_type="cpu", device_ids=(), workers=count, placed_with=None)
-    if spec.workers < 1:
+        settings = {"device_type": "cpu", "workers": count}
+        emptied = type(count) is int and count < 1
+    if emptied:
         raise ValueError(f"update_resource: that would remove the last {component} worker. Fix: keep at least one "
                          f"device or worker for {component}; move it elsewhere by giving the new one in the same call.")
-    return replace(spec, strategy=request.strategy or spec.strategy)
+    settings["strategy"] = current.strategy if request.strategy is None else request.strategy
+    if current.vllm_args:
+        settings["vllm_args"] = current.vllm_kwargs
+    return settings

@@ -3,11 +3,14 @@ a decision as update_resource requests on the fleet."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pipeline import events
 from pipeline.fleet.reconcile import ResourceRequest
 from resources.adaptive import RoleAdaptive
+from resources.config import AdaptiveBounds
+from resources.validate import MAX_TIMEOUT_SECONDS, with_changes
 
 # `fleet` below is the Fleet (fleet.py imports this module, so it is not imported here).
 
@@ -15,10 +18,11 @@ from resources.adaptive import RoleAdaptive
 def start_adaptive(fleet, bounds, *, interval: float, wait_count: int, **policy: Any) -> RoleAdaptive:
     """Adapt the bounded roles (None: the resource file's `adaptive:` section)."""
     config = fleet.config
-    bounds = config.adaptive if bounds is None else bounds
+    bounds = config.adaptive if bounds is None else checked_bounds(config, bounds)
     if not bounds:
         raise ValueError("adapt: no bounds. Fix: pass bounds={'rollout': (1, 3), ...} or add an "
                          "`adaptive:` section to the resource file")
+    _check_period(interval, wait_count)
     scalable = [r for r in fleet.roles if not config.role(r).placed_with]
     for role in bounds:
         if role not in scalable:
@@ -31,6 +35,26 @@ def start_adaptive(fleet, bounds, *, interval: float, wait_count: int, **policy:
                                                       fleet, role, workers),
         wait_count=wait_count, pools={role: config.role(role).device_type for role in bounds},
         decisions=fleet.adaptive_decisions, **policy).start()
+
+
+def checked_bounds(config, bounds: Any) -> dict:
+    """adapt()'s bounds, checked by the resource file's `adaptive:` rules (types, order, limit)."""
+    if not isinstance(bounds, Mapping):
+        raise ValueError(f"adapt: bounds={bounds!r}. Fix: pass a mapping of role to (min, max), e.g. "
+                         "bounds={'rollout': (1, 3)}")
+    written = {role: {"min": b.minimum, "max": b.maximum} if isinstance(b, AdaptiveBounds) else
+               dict(zip(("min", "max"), b)) if isinstance(b, (tuple, list)) and len(b) == 2 else b
+               for role, b in bounds.items()}
+    return dict(with_changes(config, {"adaptive": written}, source="adapt(bounds=...)").adaptive)
+
+
+def _check_period(interval: Any, wait_count: Any) -> None:
+    """interval feeds Event.wait: a positive, finite number of seconds within the timeout's limit."""
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval <= MAX_TIMEOUT_SECONDS:
+        raise ValueError(f"adapt: interval={interval!r}. Fix: use a number of seconds > 0 and at most "
+                         f"{MAX_TIMEOUT_SECONDS}, e.g. interval=2.0")
+    if isinstance(wait_count, bool) or not isinstance(wait_count, int) or not 1 <= wait_count <= 1000:
+        raise ValueError(f"adapt: wait_count={wait_count!r}. Fix: use an integer from 1 to 1000, e.g. wait_count=3")
 
 
 def _decided(fleet, action: str, reason: str, apply, *args) -> None:

@@ -8,6 +8,7 @@ and critic's hosts and the driver share (one machine, or a shared filesystem).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS
@@ -15,22 +16,54 @@ from pipeline.roles import actor, critic
 from pipeline.roles.host import role_ready
 
 SAVE_PRETRAINED = {"actor": actor.save_pretrained, "critic": critic.save_pretrained}
+logger = logging.getLogger("dask_rl")
 
 
-def _on_every_rank(fleet, role: str, fn, path: str, what: str) -> None:
-    members = fleet.groups.members(role) or fleet.addresses(role)
+def _on_every_rank(fleet, role: str, fn, path: str, what: str, members: list[str] | None = None) -> list:
+    members = members if members is not None else list(fleet.groups.members(role) or fleet.addresses(role))
     futures = [fleet.submit(role, fn, path, tag=f"{what.split()[0]}-r{rank}", workers=[address])
                for rank, address in enumerate(members)]
-    fleet.wait(role, futures, what)
+    return fleet.wait(role, futures, what)
+
+
+def _live_members(fleet, role: str) -> list[str]:
+    """The workers to save `role` from: its current group when every member is live; after a
+    lost rank (a run that ended on the fault) only the group's live members, never a task
+    pinned to a worker that is gone; [] when none of them can save it."""
+    live = fleet.addresses(role)
+    members = list(fleet.groups.members(role) or live)
+    alive = [address for address in members if address in live]
+    if len(alive) == len(members):
+        return members
+    if not alive:
+        logger.warning("dask-rl: %s: no worker of its group %s is live, so its model is not saved (its recovery "
+                       "state is %s)", role, members, fleet.recovery_path(role))
+        return []
+    if fleet.groups.strategy(role) == "fsdp":  # a sharded model is gathered by every rank: it cannot be
+        logger.warning("dask-rl: %s: its group lost %s; its sharded model cannot be gathered without them, so it is "
+                       "not saved (its recovery state is %s)", role, sorted(set(members) - set(alive)),
+                       fleet.recovery_path(role))
+        return []
+    logger.warning("dask-rl: %s: its group lost %s; saving from the live members %s", role,
+                   sorted(set(members) - set(alive)), alive)
+    return alive
 
 
 def save_models(fleet, roles: tuple[str, ...], directory: Path) -> dict[str, Path]:
-    """<directory>/actor (and /critic): the current weights in Hugging Face format."""
+    """<directory>/actor (and /critic): the current weights in Hugging Face format, written
+    by rank 0 of the role's group. A role whose group lost that rank is not saved (logged)."""
     saved = {}
     for role in roles:
-        if role in SAVE_PRETRAINED:
-            _on_every_rank(fleet, role, SAVE_PRETRAINED[role], str(directory / role), "saving its model")
+        if role not in SAVE_PRETRAINED:
+            continue
+        members = _live_members(fleet, role)
+        written = members and any(_on_every_rank(fleet, role, SAVE_PRETRAINED[role], str(directory / role),
+                                                 "saving its model", members))
+        if written:
             saved[role] = directory / role
+        elif members:  # rank 0, the writer, is gone; the others hold the same weights but no rank 0
+            logger.warning("dask-rl: %s: rank 0 of its group is gone, so its model is not saved; its recovery "
+                           "state is %s", role, fleet.recovery_path(role))
     return saved
 
 

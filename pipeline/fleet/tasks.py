@@ -27,6 +27,23 @@ class WorkerLost(RuntimeError):
     wait forever for it, so the wait ends as soon as the worker is gone."""
 
 
+class SchedulerLost(ConnectionError):
+    """The client lost its scheduler (the process died, or its host went away): every task
+    and result went with it, so no wait can end well; the message names the address."""
+
+
+def scheduler_lost(client: Client, doing: str) -> SchedulerLost | None:
+    """SchedulerLost naming the scheduler and what was under way, if the client lost it
+    (Dask's client retries for its connect timeout, then closes); None while it is connected."""
+    if client.status == "running":
+        return None
+    address = getattr(client.scheduler, "address", None) or "?"
+    return SchedulerLost(
+        f"the Dask scheduler at {address} is gone (the client is {client.status}) while {doing}; its tasks and "
+        f"results went with it. Fix: restart it (`dask-rl scheduler`), start the role workers again (`dask-rl "
+        f"worker`), and resume the run from its newest checkpoint (resume=True, or `dask-rl run FILE --resume`).")
+
+
 def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, timeout: float,
               pinned: dict[str, tuple[str, ...]] | None = None) -> list:
     """Results of `futures`, or RoleTimeout naming the role, the workers and what was awaited.
@@ -41,6 +58,9 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
     warned = False
     fetch_seconds = 5.0
     while True:
+        lost = scheduler_lost(client, f"waiting for {role}: {what}")
+        if lost is not None:  # its futures were cancelled with it: nothing below would end well
+            raise lost
         pending = [f for f in futures if f.status == "pending"]
         failed = [f for f in futures if f.status == "error"]
         if failed:

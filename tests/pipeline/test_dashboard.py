@@ -67,6 +67,11 @@ class ErrorLog(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
+def _in_ci() -> bool:
+    """CI services set CI=true (GitHub Actions, GitLab, most others); .ci/run does too."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def fetch(url: str) -> tuple[int | str, str]:
     """(status, body); a route that did not answer at all gives the reason as its status."""
     try:
@@ -227,6 +232,8 @@ def test_every_dashboard_route_answers_during_a_run_without_logging_errors(watch
 def test_the_rl_page_in_a_headless_browser_plots_the_live_run(watched_run, measured):
     page = watched_run["page"]
     if page is None:
+        if _in_ci():  # a skip there would let a broken RL page through: .ci/run installs Chromium
+            pytest.fail(f"CI={os.environ['CI']}: {NO_CHROMIUM}")
         pytest.skip(NO_CHROMIUM)
     records, trainer = watched_run["records"], watched_run["trainer"]
     data = page["data"]

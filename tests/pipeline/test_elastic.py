@@ -5,6 +5,7 @@ These tests add, retire and kill workers, so they get their own cluster."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import torch
 
 from pipeline import weights
 from pipeline.rewards import digit_fraction
-from pipeline.roles.host import worker_identity
+from pipeline.roles.host import role_ready, worker_identity
 from pipeline.fleet.tasks import submit
 from pipeline.trainer import HybridTrainer
 from resources import ResourceConfigError, load_resource_config
@@ -57,6 +58,10 @@ def test_bad_requests_change_nothing(elastic_cluster, tiny_model, prompts):
         trainer.update_resource("reward", device_ids=[3])
     with pytest.raises(ResourceConfigError, match="reward.strategy"):
         trainer.update_resource("reward", workers=2, strategy="vllm")
+    # A wrong type is the resource file's error naming the argument and the fix, not a TypeError.
+    with pytest.raises(ResourceConfigError, match=r"update_resource: reward.workers: '2': not an integer from 1 to "
+                                                  r"1024 \(one process each\)\. Fix: set workers: 1 or more"):
+        trainer.update_resource(component="reward", workers="2")
     assert {role: _names(elastic_cluster, role) for role in trainer.roles} == before
 
 
@@ -158,12 +163,18 @@ def test_reward_reference_and_critic_change_too(elastic_cluster, tiny_model, pro
     record = trainer.step()
     assert record.policy_version == 2 and "critic_grad_norm" in record.losses
     assert len(trainer.fleet.groups.members("critic")) == 1
-    # With two rollout shards per step, both reward workers score.
+    # With two rollout shards per step the scoring is split in two tasks, and both reward
+    # workers may take them (which one does is Dask's choice, so it is not asserted).
     trainer.update_resource("rollout", workers=2)
+    reward_workers = set(trainer.fleet.addresses("reward"))
+    assert len(reward_workers) == 2
     with get_task_stream(client=elastic_cluster.client) as stream:
         trainer.step()
-    scorers = {t["worker"] for t in stream.data if str(t["key"]).startswith("reward-score")}
-    assert len(scorers) == 2
+    scoring = [t for t in stream.data if str(t["key"]).startswith("reward-score")]
+    assert len(scoring) == 2 and {t["worker"] for t in scoring} <= reward_workers
+    for address in reward_workers:  # each one loaded the reward model and serves reward tasks
+        assert submit(elastic_cluster.client, "reward", role_ready, "reward", tag="eligible",
+                      workers=[address]).result(60)["address"] == address
     (reward_down,) = trainer.update_resource("reward", workers=1, strategy="none")
     (reference_down,) = trainer.update_resource("reference", workers=1, strategy="none")
     assert len(reward_down.removed) == 1 and len(reference_down.removed) == 1
@@ -198,3 +209,35 @@ def test_dask_rl_scale_changes_a_role_of_a_running_training_from_a_shell(elastic
     assert shell["grow"].returncode == 0 and "rollout: +['rollout-" in shell["grow"].stdout
     assert len(elastic_cluster.workers_of("rollout")) == 2
     trainer.update_resource("rollout", workers=1)
+
+
+@pytest.mark.slow  # a worker restart on a busy machine: a minute or more
+@pytest.mark.parametrize("lost_rank", [1, 0])
+def test_saving_after_a_lost_actor_rank_uses_only_the_live_members(elastic_cluster, tiny_model, prompts, tmp_path,
+                                                                   caplog, lost_rank):
+    """A run that ends with a rank of its group gone (as after a fault it could not recover
+    from) saves from the group's live members, never through a task pinned to the dead worker:
+    rank 0 alive writes the model; rank 0 gone leaves it unsaved, saying so."""
+    trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
+                            cluster=elastic_cluster, **GRPO)
+    trainer.step()
+    members = trainer.fleet.groups.members("actor")
+    assert len(members) == 2
+    gone = members[lost_rank]
+    pid = submit(elastic_cluster.client, "actor", worker_identity, workers=[gone]).result(60)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while gone in trainer.fleet.addresses("actor") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone not in trainer.fleet.addresses("actor")  # its Nanny's replacement gets a new address
+    with caplog.at_level(logging.WARNING, logger="dask_rl"):
+        saved = trainer.save(str(tmp_path / "saved"))
+    assert f"actor: its group lost ['{gone}']" in caplog.text
+    if lost_rank == 1:
+        assert saved["actor"] == tmp_path / "saved" / "actor"
+        assert (tmp_path / "saved" / "actor" / "config.json").is_file()
+    else:
+        assert "actor" not in saved and not (tmp_path / "saved" / "actor").exists()
+        assert "actor: rank 0 of its group is gone, so its model is not saved" in caplog.text
+    trainer.fleet.await_replacements("actor")  # the next test finds both actor workers
+    trainer.close()

@@ -4,6 +4,7 @@ that joins a trainer's own scheduler. Every process started here is stopped in t
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -134,6 +135,30 @@ def test_workers_register_with_their_role_resource_and_name(remote):
         assert set(cluster.client.nthreads().values()) == {1}
 
 
+def test_dask_rl_worker_imports_torch_and_transformers_in_the_background(remote, measured):
+    """As the trainer's own workers do: the imports start with the process, not at the first task."""
+    from pipeline.roles.host import WORKER_IMPORTS
+
+    def background_imports(dask_worker=None) -> dict:  # defined here: sent by value to the remote workers
+        """Waits (bounded) for the worker's background imports; what they imported, and how long it took."""
+        import sys
+
+        plugin = dask_worker.plugins.get("dask-rl-imports")
+        done = plugin is not None and plugin.done.wait(120)
+        return {"done": done, "seconds": plugin.seconds if done else None,
+                "imported": [m for m in WORKER_IMPORTS if m in sys.modules]}
+
+    with RoleCluster.connect(remote["address"], GRPO_ROLES, timeout=60) as cluster:
+        addresses = [address for _, address in remote["workers"].values()]
+        found = cluster.client.run(background_imports, workers=addresses)
+    assert set(found) == set(addresses)
+    for address, report in found.items():
+        assert report["done"] and report["imported"] == list(WORKER_IMPORTS), (address, report)
+    slowest = max(report["seconds"] for report in found.values())
+    measured(f"dask-rl worker: torch + transformers imported in the background in {slowest:.1f} s "
+             f"(slowest of {len(found)} workers starting together)")
+
+
 def test_connect_names_the_missing_role_and_the_command(remote):
     with pytest.raises(TimeoutError) as error:
         RoleCluster.connect(remote["address"], ("reward", "critic"), timeout=1)
@@ -166,6 +191,10 @@ def test_grpo_trains_on_remote_workers_and_a_late_worker_takes_reward_tasks(remo
         assert submit(trainer.fleet.client, "reward", role_ready, "reward", workers=[address]).result(120)["name"] == \
             info["name"]  # it loaded the reward model from the trainer's plugin
         trainer.train(1)  # still trains with two reward workers
+        # workers=N counts the workers this trainer runs, besides the two joined from elsewhere.
+        (change,) = trainer.update_resource("reward", workers=1)
+        assert len(change.added) == 1 and change.managed == change.added and len(change.workers) == 3
+        assert "1 CPU workers managed by this trainer, 3 in all (2 joined from elsewhere" in str(change)
 
         trainer.fleet.cluster.retire([address])  # its Nanny must close, not restart it: the command exits
         assert late.wait(30) == 0
@@ -209,8 +238,51 @@ def test_a_worker_joins_the_trainers_own_scheduler(processes, tiny_model, prompt
         assert live_workers(trainer.fleet.client)[address]["resources"] == {"rollout": 1}
         assert len(trainer.fleet.cluster.workers_of("rollout")) == 2
         with get_task_stream(trainer.fleet.client) as stream:
-            trainer.train(1)  # two rollout shards: one of them on the joined worker
-        assert any(t["worker"] == address and t["key"].startswith("rollout-generate") for t in stream.data)
+            trainer.train(1)  # two rollout workers: the step's generation is split in two shards
+        generated = [t for t in stream.data if t["key"].startswith("rollout-generate")]
+        # Which worker takes which shard is Dask's choice: what is guaranteed is the split, that
+        # only rollout workers generate, and that the joined one loaded the model and serves.
+        assert len(generated) == 2 and {t["worker"] for t in generated} <= set(trainer.fleet.addresses("rollout"))
+        assert submit(trainer.fleet.client, "rollout", role_ready, "rollout", workers=[address]).result(120)[
+            "name"] == live_workers(trainer.fleet.client)[address]["name"]
     finally:
         trainer.close()
     assert proc.wait(30) == 0  # the scheduler closed, so the worker command ends
+
+
+@pytest.mark.slow  # its own scheduler and three worker processes: a minute or two on CPU
+def test_a_scheduler_killed_mid_step_ends_training_with_one_error_naming_it_and_close_returns(
+        processes, tiny_model, prompts, tmp_path, caplog):
+    """The scheduler process is killed by the reward worker while it scores the second step:
+    train() ends at once with SchedulerLost naming the address and the fix (not after
+    timeout_seconds with CommClosedError), and close() returns, logging what it could not save."""
+    from pipeline.fleet.tasks import SchedulerLost
+    from pipeline.trainer import HybridTrainer
+
+    proc, log = processes.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0")
+    (address,) = processes.wait_for(proc, log, r"scheduler at (tcp://\S+)", timeout=60)
+    for role in ("rollout", "reward", "actor"):
+        processes.worker(address, role)
+    flag, scheduler_pid = tmp_path / "kill-now", proc.pid
+
+    def reward(prompt: str, response: str) -> float:  # runs on the reward worker, sent by value
+        if flag.exists():
+            os.kill(scheduler_pid, signal.SIGKILL)
+        return float(len(response))
+
+    layout = {role: {"device_type": "cpu", "workers": 1} for role in ("actor", "reward", "rollout")}
+    trainer = HybridTrainer(tiny_model, reward, load_resource_config({**layout, "timeout_seconds": 300}),
+                            prompts=prompts, scheduler_address=address, output_dir=str(tmp_path / "out"),
+                            **{**GRPO, "kl_coef": 0.0, "steps": 3})
+    started = time.monotonic()
+    with pytest.raises(SchedulerLost) as lost:
+        trainer.train(on_step=lambda record: flag.touch())
+    seconds = time.monotonic() - started
+    assert proc.wait(10) == -signal.SIGKILL and len(trainer.history) == 1
+    message = str(lost.value)
+    assert f"the Dask scheduler at {address} is gone" in message and "Fix: restart it (`dask-rl scheduler`)" in message
+    assert seconds < 120, f"train() took {seconds:.0f}s to notice (timeout_seconds is 300)"
+    with caplog.at_level(logging.WARNING, logger="dask_rl"):
+        trainer.close()  # returns: nothing to save through, nothing to raise
+    assert "the models of policy version 1 were not saved" in caplog.text
+    assert not (tmp_path / "out" / "actor").exists()

@@ -92,8 +92,10 @@ def test_the_static_key_list_is_the_installed_vllms():
     ("{gpu_memory_utilization: 1.5}", "gpu_memory_utilization: 1.5: expected a fraction of the GPU's memory in (0, 1]"),
     ("{gpu_memory_utilization: 0}", "gpu_memory_utilization: 0: expected a fraction"),
     ("{gpu_memory_utilization: .nan}", "gpu_memory_utilization: nan: expected a fraction"),
-    ("{max_model_len: 0}", "max_model_len: 0: expected an integer >= 1. Fix: use e.g. 4096."),
-    ("{max_num_seqs: 2.5}", "max_num_seqs: 2.5: expected an integer >= 1"),
+    ("{max_model_len: 0}", "max_model_len: 0: expected an integer from 1 to 2147483647 (vLLM takes it as a "
+                           "32-bit integer). Fix: use e.g. 4096."),
+    ("{max_num_seqs: 2.5}", "max_num_seqs: 2.5: expected an integer from 1 to 2147483647"),
+    ("{max_num_batched_tokens: 4294967296}", "max_num_batched_tokens: 4294967296: expected an integer from 1 to"),
     ("{cpu_offload_gb: .inf}", "cpu_offload_gb: inf: not a finite number. Fix: use a finite number, or remove the key"),
 ])
 def test_engine_numbers_out_of_range_are_refused_when_the_file_loads(tmp_path, args, problem):
