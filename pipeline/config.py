@@ -253,9 +253,10 @@ def make_train_config(values: Mapping[str, Any], *, source: str = "trainer argum
     for key, value in values.items():
         if key not in TRAIN_FIELDS:
             close = difflib.get_close_matches(shorten(str(key)), list(TRAIN_FIELDS) + list(INPUT_KEYS), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise TrainConfigError(f"{source}: unknown training key {_shown(key)}.{hint} "
-                                   f"Fix: use one of {', '.join(TRAIN_FIELDS)}.")
+            # With a likely match, that one; else the keys (the TrainConfig fields), cut short.
+            fix = (f"Did you mean {close[0]!r}? Fix: use that key." if close else
+                   f"Fix: use one of {shorten(', '.join(TRAIN_FIELDS), 300)} (every TrainConfig field).")
+            raise TrainConfigError(f"{source}: unknown training key {_shown(key)}. {fix}")
         checked[key] = _coerce(key, value, TRAIN_FIELDS[key].type, source)
     try:
         return replace(base or TrainConfig(), **checked)

@@ -33,8 +33,9 @@ def test_an_unknown_key_is_rejected_with_a_did_you_mean():
         make_train_config({"stpes": 10})
     message = str(error.value)
     assert "unknown training key 'stpes'" in message
-    assert "Did you mean 'steps'?" in message
-    assert "Fix: use one of" in message
+    assert "Did you mean 'steps'? Fix: use that key." in message
+    with pytest.raises(TrainConfigError, match=r"unknown training key 'zzzzzz'. Fix: use one of algorithm, steps, "):
+        make_train_config({"zzzzzz": 1})  # nothing close: the keys themselves, cut short
 
 
 def test_a_run_input_misspelt_in_the_train_section_suggests_the_input():
@@ -128,7 +129,8 @@ def test_every_float_must_be_finite(key, value, shown):
 
 def test_float_keys_cover_the_numeric_hyperparameters():
     assert set(FLOAT_KEYS) == {"temperature", "actor_lr", "critic_lr", "kl_coef", "clip_ratio", "value_clip",
-                               "gamma", "lam", "is_cap", "grad_clip", "top_p", "min_p"}
+                               "gamma", "lam", "is_cap", "grad_clip", "top_p", "min_p", "reward_timeout",
+                               "eval_temperature", "eval_correct_reward"}
 
 
 def test_stop_strings_are_a_strict_list_of_non_empty_strings(tmp_path):
@@ -278,3 +280,28 @@ def test_a_prompt_path_too_long_for_the_os_is_kept_as_written(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(RESOURCES + f"train: {{steps: 2, prompts: {'p' * 5000}.jsonl}}\n")
     assert load_run_file(path).inputs["prompts"] == "p" * 5000 + ".jsonl"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"columns": {"answer": 3}}, "train.columns: {'answer': 3} should map names to names. Fix: write e.g. "
+                                 "columns: {answer: solution}."),
+    ({"reward_weights": [1.0, "x"]}, "train.reward_weights: [1.0, 'x'] should be a list of finite numbers."),
+    ({"reward_weights": [1.0, float("nan")]}, "train.reward_weights: [1.0, nan] should be a list of finite numbers."),
+    ({"chat_template": "yes"}, "train.chat_template: 'yes' should be a bool. Fix: write e.g. chat_template: true."),
+    ({"reward_timeout": -1.0}, "train.reward_timeout: -1.0 is not allowed. Fix: use 0 (no bound) or seconds up to "
+                               "86400, e.g. 60."),
+    ({"eval_samples_per_prompt": 0}, "train.eval_samples_per_prompt: 0 is not allowed. Fix: use 1 or more"),
+    ({"eval_temperature": -0.5}, "train.eval_temperature: -0.5 is not allowed. Fix: use 0 (greedy)"),
+])
+def test_real_task_keys_are_checked_with_the_key_and_the_fix(values, message):
+    with pytest.raises(TrainConfigError) as error:
+        make_train_config(values)
+    assert message in str(error.value)
+
+
+def test_real_task_keys_take_their_values():
+    tc = make_train_config({"columns": {"answer": "solution"}, "reward_weights": [1, 0.5], "chat_template": True,
+                            "system_prompt": "be brief", "eval_every_n_steps": 5})
+    assert (tc.columns, tc.reward_weights, tc.chat_template, tc.system_prompt) == (
+        {"answer": "solution"}, [1.0, 0.5], True, "be brief")
+    assert TrainConfig().chat_template is None and TrainConfig().reward_timeout == 60.0
