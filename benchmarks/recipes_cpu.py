@@ -65,7 +65,7 @@ def run_recipe(cluster, run, reward_fn, recipe: dict, steps: int) -> list:
             return trainer.train()
         finally:
             trainer.close()   # the shared cluster stays up for the next recipe
-            shutil.rmtree(trainer.snapshot_dir, ignore_errors=True)
+            shutil.rmtree(trainer.fleet.snapshot_dir, ignore_errors=True)
 
 
 def summarise(name: str, records: list, window: int, seconds: float) -> dict:
