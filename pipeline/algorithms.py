@@ -314,7 +314,7 @@ def policy_loss(
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    per_token, clipped, unclipped = _clipped_surrogate(ratio, advantages, clip_ratio, high)
+    per_token, clipped, unclipped = clipped_surrogate(ratio, advantages, clip_ratio, high)
     dual = torch.zeros_like(per_token, dtype=torch.bool)
     if clip_ratio_c is not None:
         bound = -advantages * clip_ratio_c
@@ -332,63 +332,12 @@ def policy_loss(
     return loss, stats
 
 
-def _clipped_surrogate(ratio: Tensor, advantages: Tensor, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
     """(per-token loss, clipped term, unclipped term): max of the negated terms == -min of the
     surrogate terms."""
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
     return torch.maximum(unclipped, clipped), clipped, unclipped
-
-
-def gspo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_ratio: float,
-    normalizer: Normalizer = None,
-    is_weights: Optional[Tensor] = None,
-    *,
-    clip_ratio_high: Optional[float] = None,
-    clip_ratio_c: Optional[float] = None,
-    loss_agg_mode: str = "token-mean",
-    sequences: Normalizer = None,
-    horizon: Optional[float] = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO (Qwen, arXiv 2507.18071): the clipped surrogate on a sequence-level ratio. Same
-    arguments and stats as policy_loss; (B, T) tensors -> (scalar, stats).
-
-    s_b = exp(mean over b's valid tokens of (logp - old_logp)), the per-token geometric mean of
-    the sequence's ratio; each token t of b uses s_bt = sg[s_b] * exp(logp_bt - sg[logp_bt])
-    (the value of s_b, with the gradient of s_b spread over b's tokens), then
-    loss_t = -min(s_bt * A, clip(s_bt, 1 - eps_low, 1 + eps_high) * A). With
-    loss_agg_mode seq-mean-token-mean this is the paper's objective; verl always uses that
-    mode for GSPO, here the train key decides (the GSPO recipe sets it). The log of s_bt is
-    capped at 10 like verl does. clip_ratio_c does not apply (the ratio is per sequence).
-    """
-    log_ratio = logp - old_logp
-    lengths = mask.to(log_ratio.dtype).sum(-1).clamp(min=1)
-    seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / lengths
-    log_s = (logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
-    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    per_token, clipped, unclipped = _clipped_surrogate(torch.exp(log_s), advantages, clip_ratio, high)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    loss = aggregate_loss(per_token, mask, loss_agg_mode, normalizer, sequences, horizon)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((clipped > unclipped).float(), mask),
-            "clip_frac_lower": torch.zeros((), device=logp.device),
-            "approx_kl": masked_mean(0.5 * log_ratio.float() ** 2, mask),
-        }
-    return loss, stats
-
-
-# train.policy_loss -> the function the actor calls (chosen once per update).
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "ppo": policy_loss,
-    "gspo": gspo_policy_loss,
-}
 
 
 def value_loss(

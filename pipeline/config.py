@@ -170,7 +170,8 @@ class TrainConfig:
     def _algorithm_checks(self) -> dict[str, tuple[bool, str]]:
         """Range checks of the algorithm options (their own block: other keys stay apart)."""
         from pipeline.advantages import ESTIMATORS
-        from pipeline.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES
+        from pipeline.algorithms import LOSS_AGGREGATIONS
+        from pipeline.policy_losses import POLICY_LOSSES
         from pipeline.schedules import DECAYS
 
         def optional(value, ok) -> bool:  # None (the default) or a finite number passing `ok`

@@ -10,7 +10,8 @@ import torch
 from distributed import get_worker
 
 from pipeline import weights
-from pipeline.algorithms import POLICY_LOSSES, aggregate_loss, importance_weights, kl_loss, masked_sum
+from pipeline.algorithms import aggregate_loss, importance_weights, kl_loss, masked_sum
+from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
 from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy
@@ -37,7 +38,7 @@ class PolicyStep:
     # Algorithm options (README "Algorithm options"); the defaults give the plain PPO loss.
     clip_ratio_high: float | None = None  # upper clip eps (None: clip_ratio, which is the lower one)
     clip_ratio_c: float | None = None     # dual-clip bound for negative advantages (None: off)
-    policy_loss: str = "ppo"              # a key of algorithms.POLICY_LOSSES
+    policy_loss: str = "ppo"              # a key of policy_losses.POLICY_LOSSES
     loss_agg_mode: str = "token-mean"     # a key of algorithms.LOSS_AGGREGATIONS
     sequence_counts: tuple[float, ...] = ()  # global count of rows with a response token, per mini-batch
     horizon: float | None = None          # seq-mean-token-sum-norm's constant (max_new_tokens)

@@ -16,8 +16,8 @@ from torch.testing import assert_close
 
 from pipeline.advantages import (ESTIMATORS, discounted_returns, grpo_batch_std, grpo_no_std, reinforce_plus_plus,
                                  reinforce_plus_plus_baseline, rloo)
-from pipeline.algorithms import (LOSS_AGGREGATIONS, POLICY_LOSSES, aggregate_loss, gspo_policy_loss, kl_loss,
-                                 kl_penalty, masked_sum, policy_loss)
+from pipeline.algorithms import LOSS_AGGREGATIONS, aggregate_loss, kl_loss, kl_penalty, masked_sum, policy_loss
+from pipeline.policy_losses import POLICY_LOSSES, gspo_policy_loss
 from pipeline.schedules import lr_factor
 
 
