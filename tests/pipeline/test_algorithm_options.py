@@ -338,3 +338,14 @@ def test_lr_factor_by_hand(update, schedule, min_ratio, expected):
 
 def test_the_default_schedule_is_exactly_the_base_rate():
     assert all(lr_factor(update, 20) == 1.0 for update in range(25))
+
+
+def test_the_step_figures_carry_entropy_and_the_dual_clip_share_per_token():
+    from pipeline.metrics import normalise_update_stats
+
+    # two optimizer steps of 10 and 30 tokens: entropy sums 25 and 55 -> 80 / 40 tokens = 2.0
+    totals = {"tokens": 40.0, "clip_tokens": 4.0, "clip_lower_tokens": 2.0, "entropy_sum": 80.0,
+              "is_weight_sum": 40.0, "policy_loss": 3.0}
+    figures = normalise_update_stats(totals, optimizer_steps=2)
+    assert figures == {"policy_loss": 1.5, "clip_frac": 0.1, "is_weight_mean": 1.0, "clip_frac_lower": 0.05,
+                       "entropy": 2.0}

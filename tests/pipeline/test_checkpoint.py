@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +97,8 @@ def test_a_resumed_run_repeats_the_uninterrupted_run_step_for_step(shared_cluste
         again = resumed.train()
     assert [_figures(r) for r in again] == [_figures(r) for r in straight[2:]]
     # factors: warmup (0 + 1) / 2, (1 + 1) / 2; then 1 - p for p = 0 / 2, 1 / 2
+    vocab = json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"]
+    assert all(0 < r.losses["entropy"] < math.log(vocab) for r in straight)  # nats, below a uniform draw
     for role in ("actor_lr", "critic_lr"):
         assert [r.losses[role] for r in straight] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], rel=1e-12)
 
