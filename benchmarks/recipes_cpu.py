@@ -95,7 +95,8 @@ def main(argv=None) -> int:
             print(json.dumps(summaries[-1]), flush=True)
     learned = [s["recipe"] for s in summaries
                if s[f"last{args.window}_mean_reward"] > s[f"first{args.window}_mean_reward"] + 0.2]
-    print(json.dumps({"learned": learned, "not_learned": [s["recipe"] for s in summaries if s["recipe"] not in learned]}))
+    rest = [s["recipe"] for s in summaries if s["recipe"] not in learned]
+    print(json.dumps({"learned": learned, "not_learned": rest}))
     return 0
 
 

@@ -219,8 +219,9 @@ def _batch(rows=7, width=5):
     g = torch.Generator().manual_seed(11)
     lengths = torch.tensor([5, 1, 3, 0, 4, 2, 5])[:rows]   # uneven rows, one empty
     mask = (torch.arange(width)[None] < lengths[:, None]).float()
-    return dict(features=torch.randn(rows, width, 4, generator=g), tokens=torch.randint(0, 6, (rows, width), generator=g),
-                old=torch.randn(rows, width, generator=g) * 0.1 - 1.8, ref=torch.randn(rows, width, generator=g) * 0.1 - 1.8,
+    noise = lambda: torch.randn(rows, width, generator=g) * 0.1 - 1.8  # noqa: E731 - log-probs near log(1/6)
+    return dict(features=torch.randn(rows, width, 4, generator=g),
+                tokens=torch.randint(0, 6, (rows, width), generator=g), old=noise(), ref=noise(),
                 adv=torch.randn(rows, 1, generator=g).expand(rows, width).contiguous(), mask=mask)
 
 

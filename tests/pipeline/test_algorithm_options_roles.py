@@ -74,7 +74,8 @@ def test_entropy_coef_changes_the_update_and_zero_keeps_it(tiny_model, tmp_path)
     experience = _experience(tiny_model)
     _, plain, _ = _update_in_process(tiny_model, experience, _step(experience, 1, str(tmp_path / "a")))
     _, zero, _ = _update_in_process(tiny_model, experience, _step(experience, 1, str(tmp_path / "b"), entropy_coef=0.0))
-    _, bonus, _ = _update_in_process(tiny_model, experience, _step(experience, 1, str(tmp_path / "c"), entropy_coef=0.5))
+    _, bonus, _ = _update_in_process(tiny_model, experience,
+                                     _step(experience, 1, str(tmp_path / "c"), entropy_coef=0.5))
     assert all(torch.equal(zero[name], plain[name]) for name in plain)
     assert any(not torch.equal(bonus[name], plain[name]) for name in plain)
 
@@ -94,8 +95,8 @@ def test_two_ranks_equal_one_with_every_option(shared_cluster, tiny_model, tmp_p
 def test_the_critic_takes_its_rate_and_weight_decay(tiny_model):
     role = CriticRole(tiny_model, device="cpu", lr=1e-3, strategy="none", weight_decay=0.1)
     experience = _experience(tiny_model)
-    step = CriticStep(clip_range=0.2, micro_batch_size=8, epochs=1, normalizers=(float(experience.response_mask.sum()),),
-                      next_version=1, lr=2e-4)
+    tokens = float(experience.response_mask.sum())
+    step = CriticStep(clip_range=0.2, micro_batch_size=8, epochs=1, normalizers=(tokens,), next_version=1, lr=2e-4)
     role.update([experience], ONE_RANK, step)
     assert [(g["lr"], g["weight_decay"]) for g in role.trainer.optimizer.param_groups] == [(2e-4, 0.1)]
 
@@ -104,7 +105,8 @@ def test_the_critic_takes_its_rate_and_weight_decay(tiny_model):
 
 def _rollout(rows: int = 4) -> Rollout:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)[:rows]
-    return Rollout(input_ids=torch.ones(rows, 5, dtype=torch.long), attention_mask=torch.ones(rows, 5, dtype=torch.long),
+    ids = torch.ones(rows, 5, dtype=torch.long)
+    return Rollout(input_ids=ids, attention_mask=torch.ones_like(ids),
                    response_mask=mask, behavior_logprobs=torch.zeros(rows, 3), group_ids=torch.tensor([0, 0, 1, 1]),
                    policy_version=0, prompt_length=2)
 
