@@ -8,11 +8,13 @@ Loss reduction rule (policy_loss, value_loss, kl_loss): the per-token loss is su
 tokens and divided by ``normalizer`` when given, else by this batch's valid-token count. Passing
 the *global* token count (all micro-batches and data-parallel ranks) as ``normalizer`` makes the
 sum of the per-shard losses, and therefore of their gradients, equal the loss of the whole batch.
+The other aggregation modes (``aggregate_loss``) follow the same rule with the global sequence
+count: every mode is a sum of per-row terms over a constant, so splitting never changes it.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -204,9 +206,79 @@ def _reduce(per_token: Tensor, mask: Tensor, normalizer: Normalizer) -> Tensor:
     total = masked_sum(per_token, mask)
     if normalizer is None:
         return total / mask.to(total.dtype).sum().clamp(min=1)
-    if not isinstance(normalizer, Tensor) and normalizer <= 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    _check_positive("normalizer", normalizer)
     return total / normalizer
+
+
+def _check_positive(name: str, value: Normalizer) -> None:
+    if not isinstance(value, Tensor) and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _row_sums(per_token: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(B,) loss summed over each row's valid tokens, and (B,) each row's valid-token count."""
+    return masked_sum(per_token, mask, dim=-1), mask.to(per_token.dtype).sum(-1)
+
+
+def _sequences(mask: Tensor, sequences: Normalizer) -> Normalizer:
+    """The given global sequence count, or this batch's rows with a valid token."""
+    if sequences is None:
+        return (mask.to(torch.float32).sum(-1) > 0).sum().clamp(min=1)
+    _check_positive("sequences", sequences)
+    return sequences
+
+
+def _token_sum(per_token, mask, tokens, sequences, horizon) -> Tensor:
+    return masked_sum(per_token, mask)
+
+
+def _seq_mean_token_mean(per_token, mask, tokens, sequences, horizon) -> Tensor:
+    sums, counts = _row_sums(per_token, mask)
+    return (sums / counts.clamp(min=1)).sum() / _sequences(mask, sequences)
+
+
+def _seq_mean_token_sum(per_token, mask, tokens, sequences, horizon) -> Tensor:
+    return _row_sums(per_token, mask)[0].sum() / _sequences(mask, sequences)
+
+
+def _seq_mean_token_sum_norm(per_token, mask, tokens, sequences, horizon) -> Tensor:
+    if horizon is None or horizon <= 0:
+        raise ValueError(f"seq-mean-token-sum-norm needs a horizon > 0 (the max response length), got {horizon}")
+    return _row_sums(per_token, mask)[0].sum() / (_sequences(mask, sequences) * horizon)
+
+
+# train.loss_agg_mode -> reduction; each takes (per_token, mask, tokens, sequences, horizon).
+LOSS_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
+    "token-mean": lambda per_token, mask, tokens, sequences, horizon: _reduce(per_token, mask, tokens),
+    "token-sum": _token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean", tokens: Normalizer = None,
+                   sequences: Normalizer = None, horizon: Optional[float] = None) -> Tensor:
+    """A (B, T) per-token loss -> scalar. ``tokens``/``sequences``: the global valid-token count
+    and the global count of rows with a valid token (this batch's when None); ``horizon``: a
+    constant length (train.max_new_tokens). l = per-token loss on valid tokens, n_b = row b's
+    valid tokens:
+
+    token-mean               sum_b,t l / tokens                (today's; DAPO's token-level loss)
+    token-sum                sum_b,t l                         (no normaliser)
+    seq-mean-token-mean      sum_b (sum_t l / n_b) / sequences (the GRPO paper's, GSPO's)
+    seq-mean-token-sum       sum_b sum_t l / sequences
+    seq-mean-token-sum-norm  sum_b sum_t l / (sequences * horizon)   (Dr. GRPO's constant)
+
+    verl's seq-mean-token-sum-norm divides by the padded response length only and leaves the
+    batch scale to its trainer; here the global sequence count is in it, so the loss does not
+    grow with the batch, and the horizon is the configured max_new_tokens, not each
+    micro-batch's padded width (which would make splitting change the update).
+    Rows with no valid token add nothing to any mode and are not counted.
+    """
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}")
+    return LOSS_AGGREGATIONS[mode](per_token, mask, tokens, sequences, horizon)
 
 
 def policy_loss(
@@ -217,31 +289,55 @@ def policy_loss(
     clip_ratio: float,
     normalizer: Normalizer = None,
     is_weights: Optional[Tensor] = None,
+    *,
+    clip_ratio_high: Optional[float] = None,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "token-mean",
+    sequences: Normalizer = None,
+    horizon: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate. logp, old_logp, advantages, mask, is_weights: (B, T) -> (scalar, stats).
 
     ratio = exp(logp - old_logp)
-    loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)  [* is_weights_t]
+    loss_t = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)  [* is_weights_t]
+    eps_low = clip_ratio; eps_high = clip_ratio_high or clip_ratio (DAPO's clip-higher).
+    Dual clip (Ye et al. 2019, arXiv 1912.09729), only with clip_ratio_c = c > 1: where A < 0,
+    loss_t = min(loss_t, -c * A), so a huge ratio on a bad token cannot push the loss without
+    bound. verl turns it on by default (c = 3); here None (off) keeps the plain PPO loss.
+    The per-token loss is reduced by ``aggregate_loss(loss_agg_mode, normalizer = global token
+    count, sequences, horizon)``.
     For decoupled PPO pass old_logp = proximal log-probs and
     is_weights = importance_weights(proximal, behavior, mask, cap).
     stats (detached): clip_frac = share of valid tokens where the clipped term was the active one,
-    approx_kl = masked_mean(0.5 * (logp - old_logp)^2).
+    clip_frac_lower = share where the dual clip was, approx_kl = masked_mean(0.5 * (logp - old_logp)^2).
     """
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
-    # max of the negated terms == -min of the surrogate terms.
-    per_token = torch.maximum(unclipped, clipped)
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    per_token, clipped, unclipped = clipped_surrogate(ratio, advantages, clip_ratio, high)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound, per_token)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    loss = _reduce(per_token, mask, normalizer)
+    loss = aggregate_loss(per_token, mask, loss_agg_mode, normalizer, sequences, horizon)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((clipped > unclipped).float(), mask),
+            "clip_frac_lower": masked_mean(dual.float(), mask),
             "approx_kl": masked_mean(0.5 * log_ratio.float() ** 2, mask),
         }
     return loss, stats
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(per-token loss, clipped term, unclipped term): max of the negated terms == -min of the
+    surrogate terms."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped, unclipped
 
 
 def value_loss(
@@ -277,10 +373,16 @@ def kl_loss(
     mask: Tensor,
     kind: str = "k3",
     normalizer: Normalizer = None,
+    *,
+    loss_agg_mode: str = "token-mean",
+    sequences: Normalizer = None,
+    horizon: Optional[float] = None,
 ) -> Tensor:
     """GRPO's in-loss KL to the reference policy. logp, ref_logp, mask: (B, T) -> scalar.
 
-    loss = sum_valid kl_penalty(logp, ref_logp, kind) / (normalizer or valid-token count).
+    loss = aggregate_loss(kl_penalty(logp, ref_logp, kind), loss_agg_mode, normalizer = global
+    token count, sequences, horizon); token-mean: sum_valid kl / tokens.
     Gradient flows through logp only; the reference is a fixed anchor.
     """
-    return _reduce(kl_penalty(logp, ref_logp.detach(), kind), mask, normalizer)
+    return aggregate_loss(kl_penalty(logp, ref_logp.detach(), kind), mask, loss_agg_mode, normalizer, sequences,
+                          horizon)

@@ -140,6 +140,18 @@ class TrainConfig:
     eval_samples_per_prompt: int = 1
     eval_temperature: float = 0.0
     eval_correct_reward: float = 1.0
+    # -- algorithm options (README "Algorithm options"); the defaults are the plain PPO/GRPO losses.
+    loss_agg_mode: str = "token-mean"     # how per-token losses become one (algorithms.aggregate_loss)
+    clip_ratio_low: float | None = None   # lower clip eps; None = clip_ratio
+    clip_ratio_high: float | None = None  # upper clip eps (DAPO clip-higher); None = clip_ratio
+    clip_ratio_c: float | None = None     # dual clip for negative advantages (> 1, e.g. 3.0); None = off
+    advantage: str = "auto"               # estimator: auto = gae (ppo) or grpo (grpo); pipeline/advantages.py
+    policy_loss: str = "ppo"              # "ppo" (token-level ratio) or "gspo" (sequence-level ratio)
+    entropy_coef: float = 0.0             # weight of the entropy bonus in the actor's loss
+    lr_warmup_steps: int = 0              # updates of linear warmup (actor and critic)
+    lr_schedule: str = "constant"         # decay after warmup: constant, linear or cosine
+    lr_min_ratio: float = 0.0             # the decay ends at lr * lr_min_ratio
+    weight_decay: float = 0.0             # AdamW weight decay (actor and critic)
 
     def __post_init__(self):
         for f in fields(self):  # types first, so that the range checks below can compare
@@ -193,9 +205,51 @@ class TrainConfig:
             "eval_samples_per_prompt": (self.eval_samples_per_prompt >= 1, "use 1 or more samples per prompt"),
             "eval_temperature": (self.eval_temperature >= 0, "use 0 (greedy) or a sampling temperature, e.g. 1.0"),
         }
+        checks.update(self._algorithm_checks())
         for key, (ok, fix) in checks.items():
             if not ok:
                 raise TrainConfigError(f"train.{key}: {_shown(getattr(self, key))} is not allowed. Fix: {fix}.")
+
+    def _algorithm_checks(self) -> dict[str, tuple[bool, str]]:
+        """Range checks of the algorithm options (their own block: other keys stay apart)."""
+        from pipeline.advantages import ESTIMATORS
+        from pipeline.algorithms import LOSS_AGGREGATIONS
+        from pipeline.policy_losses import POLICY_LOSSES
+        from pipeline.schedules import DECAYS
+
+        def optional(value, ok) -> bool:  # None (the default) or a finite number passing `ok`
+            return value is None or (not isinstance(value, bool) and isinstance(value, (int, float))
+                                     and math.isfinite(value) and ok(value))
+
+        estimator = self.estimator
+        needs = ("gae (the critic-free estimators need algorithm: grpo)" if self.algorithm == "ppo"
+                 else "one of " + ", ".join(ESTIMATORS) + " (gae needs algorithm: ppo)")
+        return {
+            "loss_agg_mode": (self.loss_agg_mode in LOSS_AGGREGATIONS, "use " + ", ".join(LOSS_AGGREGATIONS)),
+            "clip_ratio_low": (optional(self.clip_ratio_low, lambda v: 0 < v < 1),
+                               "use a ratio between 0 and 1, e.g. 0.2, or leave it out (= clip_ratio)"),
+            "clip_ratio_high": (optional(self.clip_ratio_high, lambda v: v > 0),
+                                "use a ratio > 0, e.g. 0.28 (DAPO), or leave it out (= clip_ratio)"),
+            "clip_ratio_c": (optional(self.clip_ratio_c, lambda v: v > 1),
+                             "use a bound > 1, e.g. 3.0, or leave it out (no dual clip)"),
+            "advantage": ((estimator == "gae") == (self.algorithm == "ppo") and
+                          (estimator == "gae" or estimator in ESTIMATORS),
+                          f"with algorithm {self.algorithm} use auto or {needs}"),
+            "policy_loss": (self.policy_loss in POLICY_LOSSES, "use " + " or ".join(POLICY_LOSSES)),
+            "entropy_coef": (self.entropy_coef >= 0, "use 0 (no entropy bonus) or a small weight, e.g. 0.001"),
+            "lr_warmup_steps": (0 <= self.lr_warmup_steps <= self.steps,
+                                f"use 0 (no warmup) to {self.steps} (train.steps) updates"),
+            "lr_schedule": (self.lr_schedule in DECAYS, "use " + ", ".join(DECAYS)),
+            "lr_min_ratio": (0 <= self.lr_min_ratio <= 1, "use a fraction from 0 to 1 of the learning rate"),
+            "weight_decay": (self.weight_decay >= 0, "use 0 (none) or a positive weight, e.g. 0.01"),
+        }
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator `advantage` names (auto: gae for ppo, grpo for grpo)."""
+        if self.advantage != "auto":
+            return self.advantage
+        return "gae" if self.algorithm == "ppo" else "grpo"
 
     @property
     def samples_per_step(self) -> int:

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.algorithms import (compute_gae, group_advantages, kl_penalty, masked_mean, masked_whiten,
-                                 token_level_rewards)
+from pipeline.advantages import ESTIMATORS
+from pipeline.algorithms import compute_gae, kl_penalty, masked_mean, masked_whiten, token_level_rewards
 from pipeline.records import Experience, Rollout
 
 
 def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch.Tensor,
                      values: torch.Tensor | None, *, algorithm: str, kl_coef: float, gamma: float,
-                     lam: float, group_size: int, whiten: bool) -> tuple[Experience, dict[str, float]]:
+                     lam: float, group_size: int, whiten: bool,
+                     advantage: str = "grpo") -> tuple[Experience, dict[str, float]]:
     """Args: rollout (B rows), scores (B,), ref_logprobs (B, R), values (B, R) or None for GRPO.
 
     PPO: per-token reward = -kl_coef * KL, plus the score on the last token; GAE with the
@@ -22,6 +23,8 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
     whitening: they are the critic's targets, in reward units. GRPO: each sample's reward is
     normalised within its group (the rows sharing rollout.group_ids, in any order: shards
     need not arrive in prompt order) and applied to all of its tokens; KL goes to the loss.
+    Other critic-free estimators (`advantage`, a key of advantages.ESTIMATORS: rloo,
+    reinforce_plus_plus, ...) take GRPO's place.
     `group_size` is the number of rows every group must have.
     """
     mask = rollout.response_mask
@@ -34,7 +37,7 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
         old_values = values
     else:
         _check_groups(rollout.group_ids, group_size)
-        advantages = group_advantages(scores, rollout.group_ids)[:, None] * mask
+        advantages = ESTIMATORS[advantage](scores, rollout.group_ids, mask, gamma)
         returns = old_values = torch.zeros_like(mask)
     experience = Experience(
         input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, response_mask=mask,

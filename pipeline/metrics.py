@@ -103,4 +103,9 @@ def normalise_update_stats(totals: dict[str, float], optimizer_steps: int) -> di
         out["is_weight_mean"] = totals.pop("is_weight_sum") / tokens
         out.pop("clip_tokens")
         out.pop("is_weight_sum", None)
+    # Per-token means: the share of tokens the dual clip bounded, the policy's entropy.
+    for summed, mean in (("clip_lower_tokens", "clip_frac_lower"), ("entropy_sum", "entropy")):
+        if summed in out:
+            out[mean] = totals[summed] / tokens
+            out.pop(summed)
     return out

@@ -199,7 +199,8 @@ class HybridTrainer:
             experience, stats = checked_experience(
                 rollout_data, scores.values, per_token.get("ref_logprobs", rollout_data.behavior_logprobs),
                 per_token.get("values"), screen, algorithm=tc.algorithm, kl_coef=tc.kl_coef, gamma=tc.gamma,
-                lam=tc.lam, group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages)
+                lam=tc.lam, group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages,
+                advantage=tc.estimator)
         # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
         with timer("update"):
             losses = self.update(experience)

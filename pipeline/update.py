@@ -17,6 +17,7 @@ from pipeline.config import TrainConfig
 from pipeline.fleet import Fleet
 from pipeline.metrics import normalise_update_stats, sum_stats
 from pipeline.records import Experience, rank_shards
+from pipeline.schedules import lr_factor
 from pipeline.roles import actor, critic
 from resources.allocator import OUT_OF_MEMORY, GroupOutOfMemory, MicroBatchAllocator, OutOfMemoryAtOneRow
 
@@ -81,19 +82,27 @@ class PolicyUpdate:
         tc, fleet = self.train_config, self.fleet
         blocks = torch.arange(len(experience)).tensor_split(tc.mini_batches)
         normalizers = tuple(float(experience.response_mask[b].sum()) for b in blocks)
+        sequences = tuple(float((experience.response_mask[b].sum(-1) > 0).sum()) for b in blocks)
+        # The schedule's position is the number of updates applied (the policy version), which
+        # checkpoints hold: a resumed run continues it exactly.
+        factor = lr_factor(self.fleet.version, tc.steps, tc.lr_warmup_steps, tc.lr_schedule, tc.lr_min_ratio)
         policy_step = actor.PolicyStep(
-            clip_ratio=tc.clip_ratio, kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
+            clip_ratio=tc.clip_ratio if tc.clip_ratio_low is None else tc.clip_ratio_low,
+            kl_coef_in_loss=tc.kl_coef if tc.algorithm == "grpo" else 0.0,
             temperature=tc.temperature, micro_batch_size=self._micro_batch_size("actor"), epochs=tc.ppo_epochs,
             is_cap=tc.is_cap, normalizers=normalizers, next_version=self.fleet.version + 1,
             snapshot_dir=fleet.snapshot_dir, transport=fleet.publish_transport(),
-            keep_versions=tc.published_versions, recovery_path=self._recovery_path("actor"))
+            keep_versions=tc.published_versions, recovery_path=self._recovery_path("actor"),
+            clip_ratio_high=tc.clip_ratio_high, clip_ratio_c=tc.clip_ratio_c, policy_loss=tc.policy_loss,
+            loss_agg_mode=tc.loss_agg_mode, sequence_counts=sequences, horizon=float(tc.max_new_tokens),
+            entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor)
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
         if "critic" in self.roles:
             critic_step = critic.CriticStep(clip_range=tc.value_clip,
                                             micro_batch_size=self._micro_batch_size("critic"),
                                             epochs=tc.ppo_epochs, normalizers=normalizers,
                                             next_version=self.fleet.version + 1,
-                                            recovery_path=self._recovery_path("critic"))
+                                            recovery_path=self._recovery_path("critic"), lr=tc.critic_lr * factor)
             critic_workers, critic_futures = self._rank_tasks("critic", critic.update, experience, critic_step)
         results = fleet.wait("actor", actor_futures, "the policy update")
         losses = sum_stats(stats for stats, _ in results)
@@ -109,7 +118,11 @@ class PolicyUpdate:
             fleet.published(handle, actor_workers[0])
         else:  # every optimizer step was refused (non-finite gradients): the last good version stays
             logger.warning("dask-rl: the policy update applied no step; v%d stays published", self.fleet.version)
-        return normalise_update_stats(losses, tc.ppo_epochs * tc.mini_batches)
+        losses = normalise_update_stats(losses, tc.ppo_epochs * tc.mini_batches)
+        losses["actor_lr"] = policy_step.lr
+        if "critic" in self.roles:
+            losses["critic_lr"] = critic_step.lr
+        return losses
 
     def _recovery_path(self, role: str) -> str | None:
         """Where `role` saves its state after this update, when one is due (None: not now)."""

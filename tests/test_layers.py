@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ("pipeline.cli", "pipeline.trainer", "pipeline.inflight", "pipeline.recipes", "pipeline.fleet",
           "pipeline.outputs", "pipeline.update")
 # Pure modules the worker side builds on: they import neither the roles nor the driver.
-PURE = ("pipeline/algorithms.py", "pipeline/records.py", "pipeline/models.py", "pipeline/experience.py",
+PURE = ("pipeline/algorithms.py", "pipeline/advantages.py", "pipeline/schedules.py", "pipeline/policy_losses.py",
+        "pipeline/records.py", "pipeline/models.py", "pipeline/experience.py",
         "pipeline/metrics.py", "pipeline/screening.py", "pipeline/checkpoint.py", "pipeline/events.py",
         "pipeline/monitor.py", "pipeline/dashboard.py", "pipeline/rewards.py")
 

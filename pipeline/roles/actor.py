@@ -10,10 +10,11 @@ import torch
 from distributed import get_worker
 
 from pipeline import weights
-from pipeline.algorithms import importance_weights, kl_loss, policy_loss
+from pipeline.algorithms import aggregate_loss, importance_weights, kl_loss, masked_sum
+from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
-from pipeline.roles.forward import in_row_chunks, response_logprobs
+from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 
@@ -34,19 +35,28 @@ class PolicyStep:
     transport: str = "shm"           # how rank 0 publishes: "shm", "cuda_ipc" or "dask" (see weights.py)
     keep_versions: int = 3           # published versions kept readable (batches in flight may still need them)
     recovery_path: str | None = None  # where rank 0 saves the state after this update (None: not this step)
+    # Algorithm options (README "Algorithm options"); the defaults give the plain PPO loss.
+    clip_ratio_high: float | None = None  # upper clip eps (None: clip_ratio, which is the lower one)
+    clip_ratio_c: float | None = None     # dual-clip bound for negative advantages (None: off)
+    policy_loss: str = "ppo"              # a key of policy_losses.POLICY_LOSSES
+    loss_agg_mode: str = "token-mean"     # a key of algorithms.LOSS_AGGREGATIONS
+    sequence_counts: tuple[float, ...] = ()  # global count of rows with a response token, per mini-batch
+    horizon: float | None = None          # seq-mean-token-sum-norm's constant (max_new_tokens)
+    entropy_coef: float = 0.0             # weight of the entropy bonus (the entropy is measured anyway)
+    lr: float | None = None               # learning rate of this update (None: leave the optimizer's)
 
 
 class ActorRole:
     def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str,
                  grad_clip: float = 1.0, dtype: str = "float32", gradient_checkpointing: bool = False,
-                 recovery_path: str | None = None):
+                 recovery_path: str | None = None, weight_decay: float = 0.0):
         device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
         build = functools.partial(load_causal_lm, model_dir, dtype=getattr(torch, dtype))
         self.trainer = Trainable(build, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip,
-                                 gradient_checkpointing=gradient_checkpointing, role_name="actor",
-                                 recovery_path=recovery_path)
+                                 weight_decay=weight_decay, gradient_checkpointing=gradient_checkpointing,
+                                 role_name="actor", recovery_path=recovery_path)
         self.device = device
 
     def close(self) -> None:
@@ -62,6 +72,8 @@ class ActorRole:
         self.trainer.join(group)
         if self.trainer.applied(step.next_version):
             return self.trainer.last_result
+        if step.lr is not None:  # the schedule's rate for this update (pipeline/schedules.py)
+            self.trainer.set_learning_rate(step.lr)
         # The proximal policy is the one before this update (the "old" policy of PPO's
         # clip); the rollout's own logprobs (the behaviour policy) enter through the
         # truncated importance weight, which corrects for staleness. With one optimizer step
@@ -70,12 +82,13 @@ class ActorRole:
         one_step = step.epochs * len(mini_batches) == 1
         proximal = [None] * len(mini_batches) if one_step else [self._logprobs(b, step) for b in mini_batches]
         per_step = []
+        sequences = step.sequence_counts or (None,) * len(mini_batches)
         for _ in range(step.epochs):
-            for batch, prox, normalizer in zip(mini_batches, proximal, step.normalizers):
+            for batch, prox, normalizer, seqs in zip(mini_batches, proximal, step.normalizers, sequences):
                 def take(rows, batch=batch, prox=prox):
                     return batch.select(rows), None if prox is None else prox[rows]
 
-                loss = lambda model, c: self._loss(model, c, step, normalizer)  # noqa: E731
+                loss = lambda model, c: self._loss(model, c, step, normalizer, seqs)  # noqa: E731
                 per_step.append(self.trainer.optimizer_step(take, len(batch), loss, max_rows=step.micro_batch_size,
                                                             tokens_per_row=batch.input_ids.shape[1]))
         totals = sum_stats(per_step)
@@ -97,21 +110,30 @@ class ActorRole:
             lambda rows: response_logprobs(model, ids[rows], mask[rows], batch.prompt_length, step.temperature).float(),
             len(batch), step.micro_batch_size, what="proximal logprobs")
 
-    def _loss(self, model, chunk, step: PolicyStep, normalizer: float):
+    def _loss(self, model, chunk, step: PolicyStep, normalizer: float, sequences: float | None):
         batch, proximal = chunk
         mask = batch.response_mask.to(self.device)
-        logp = response_logprobs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
-                                 batch.prompt_length, step.temperature)
+        logp, entropy = response_logprobs_and_entropy(
+            model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device), batch.prompt_length,
+            step.temperature, entropy_grad=step.entropy_coef > 0)
         proximal = logp.detach() if proximal is None else proximal
         is_weights = importance_weights(proximal, batch.behavior_logprobs.to(self.device), mask, step.is_cap)
-        loss, stats = policy_loss(logp, proximal, batch.advantages.to(self.device), mask, step.clip_ratio,
-                                  normalizer=normalizer, is_weights=is_weights)
+        # One aggregation for every term, with the global counts: splitting never changes the sum.
+        agg = dict(loss_agg_mode=step.loss_agg_mode, sequences=sequences, horizon=step.horizon)
+        loss, stats = POLICY_LOSSES[step.policy_loss](
+            logp, proximal, batch.advantages.to(self.device), mask, step.clip_ratio, normalizer=normalizer,
+            is_weights=is_weights, clip_ratio_high=step.clip_ratio_high, clip_ratio_c=step.clip_ratio_c, **agg)
         if step.kl_coef_in_loss:
             loss = loss + step.kl_coef_in_loss * kl_loss(logp, batch.ref_logprobs.to(self.device), mask,
-                                                         normalizer=normalizer)
+                                                         normalizer=normalizer, **agg)
+        if step.entropy_coef:  # a bonus: higher entropy lowers the loss
+            loss = loss - step.entropy_coef * aggregate_loss(entropy, mask, step.loss_agg_mode, normalizer,
+                                                             sequences, step.horizon)
         tokens = float(mask.sum())
         # Token-weighted sums; the driver divides by the step's token count.
         return loss, {"policy_loss": float(loss.detach()), "clip_tokens": float(stats["clip_frac"]) * tokens,
+                      "clip_lower_tokens": float(stats["clip_frac_lower"]) * tokens,
+                      "entropy_sum": float(masked_sum(entropy.detach(), mask)),
                       "tokens": tokens, "is_weight_sum": float((is_weights * mask).sum())}
 
 

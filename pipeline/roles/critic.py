@@ -24,16 +24,18 @@ class CriticStep:
     normalizers: tuple[float, ...]   # global valid-token count of each mini-batch
     next_version: int                # the policy version this update goes with (exactly once per version)
     recovery_path: str | None = None  # where rank 0 saves the state after this update (None: not this step)
+    lr: float | None = None          # learning rate of this update (None: leave the optimizer's)
 
 
 class CriticRole:
     def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str, grad_clip: float = 1.0,
-                 gradient_checkpointing: bool = False, recovery_path: str | None = None):
+                 gradient_checkpointing: bool = False, recovery_path: str | None = None, weight_decay: float = 0.0):
         device = resolve_device(device)
         from pipeline.models import ValueModel
 
         self.trainer = Trainable(lambda: ValueModel(model_dir), lr=lr, strategy=strategy, device=device,
-                                 grad_clip=grad_clip, gradient_checkpointing=gradient_checkpointing,
+                                 grad_clip=grad_clip, weight_decay=weight_decay,
+                                 gradient_checkpointing=gradient_checkpointing,
                                  role_name="critic", recovery_path=recovery_path)
         self.device = device
 
@@ -49,6 +51,8 @@ class CriticRole:
         self.trainer.join(group)
         if self.trainer.applied(step.next_version):  # a redo: the update is in already
             return self.trainer.last_result
+        if step.lr is not None:  # the schedule's rate for this update (pipeline/schedules.py)
+            self.trainer.set_learning_rate(step.lr)
         per_step = []
         for _ in range(step.epochs):
             for batch, normalizer in zip(mini_batches, step.normalizers):

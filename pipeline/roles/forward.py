@@ -7,7 +7,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.algorithms import logprobs_from_logits
+from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
 from resources.allocator import free_bytes, in_chunks
 
@@ -36,29 +36,61 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     projected LOGIT_CHUNK_TOKENS at a time; with gradients on, each chunk's logits are
     recomputed in the backward pass instead of being kept (memory: one chunk, not B x R x V).
     """
+    return _response_scores(model, input_ids, attention_mask, prompt_length, temperature, None)[0]
+
+
+def response_logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                  prompt_length: int, temperature: float,
+                                  entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """As response_logprobs, plus (B, R) float32 entropy of softmax(logits / temperature) at each
+    response position, from the same logits (the log-probs are computed exactly as there).
+    Without `entropy_grad` the entropy is detached: a figure, no backward cost."""
+    return _response_scores(model, input_ids, attention_mask, prompt_length, temperature, entropy_grad)
+
+
+def _response_scores(model, input_ids, attention_mask, prompt_length: int, temperature: float,
+                     entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs, entropy or None); entropy_grad None: no entropy."""
     targets = input_ids[:, prompt_length:]
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     if not _separable(model, inputs, prompt_length, temperature):
-        logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits
-        return logprobs_from_logits(logits[:, :-1], targets, temperature)
+        logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits[:, :-1]
+        return _project_logits(logits, targets, temperature, entropy_grad)
     hidden = model.base_model(**inputs).last_hidden_state[:, prompt_length - 1:-1]
-    return _chunked_logprobs(model.get_output_embeddings(), hidden, targets, temperature)
+    return _chunked_scores(model.get_output_embeddings(), hidden, targets, temperature, entropy_grad)
 
 
 def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """(B, R, H) final hidden states, (B, R) tokens -> (B, R) float32 logprobs, chunk by chunk."""
+    return _chunked_scores(head, hidden, targets, temperature, None)[0]
+
+
+def _chunked_scores(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     parts = []
     for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS):
         chunk = (head, flat_hidden[start:start + LOGIT_CHUNK_TOKENS], flat_targets[start:start + LOGIT_CHUNK_TOKENS],
-                 temperature)
+                 temperature, entropy_grad)
         parts.append(checkpoint(_project, *chunk, use_reentrant=False) if torch.is_grad_enabled()
                      else _project(*chunk))
-    return torch.cat(parts).view(targets.shape)
+    logprobs = torch.cat([p[0] for p in parts]).view(targets.shape)
+    if entropy_grad is None:
+        return logprobs, None
+    return logprobs, torch.cat([p[1] for p in parts]).view(targets.shape)
 
 
-def _project(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logprobs_from_logits(head(hidden), tokens, temperature)
+def _project(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy_grad: bool | None):
+    return _project_logits(head(hidden), tokens, temperature, entropy_grad)
+
+
+def _project_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                    entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logprobs = logprobs_from_logits(logits, tokens, temperature)
+    if entropy_grad is None:
+        return logprobs, None
+    scaled = (logits if entropy_grad else logits.detach()).float() / temperature
+    return logprobs, entropy_from_logits(scaled)
 
 
 def _separable(model, inputs: dict, prompt_length: int, temperature: float) -> bool:

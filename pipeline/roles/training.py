@@ -94,6 +94,13 @@ class Trainable:
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps (a schedule's value for this update).
+        Kept in self.lr too: an optimizer rebuilt after a resize or a recovery starts with it."""
+        self.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     # -- process group -------------------------------------------------------------------
     def join(self, group: GroupInfo) -> None:
         """Make sure this worker is rank `group.rank` of the current group generation."""

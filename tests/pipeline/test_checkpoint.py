@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,8 +83,10 @@ def _figures(record):
 def test_a_resumed_run_repeats_the_uninterrupted_run_step_for_step(shared_cluster, shared_config, tiny_model,
                                                                    prompts, tmp_path):
     """On-policy PPO with a critic and a reference: the run resumed from the checkpoint after
-    step 2 gives the same figures at steps 3 and 4 as the run that went on."""
-    common = dict(algorithm="ppo", prompts=prompts, cluster=shared_cluster, **SMALL)
+    step 2 gives the same figures at steps 3 and 4 as the run that went on, its learning-rate
+    schedule (2 warmup updates, then linear decay over the other 2) included."""
+    schedule = dict(lr_warmup_steps=2, lr_schedule="linear", weight_decay=0.01)
+    common = dict(algorithm="ppo", prompts=prompts, cluster=shared_cluster, **schedule, **SMALL)
     with HybridTrainer(tiny_model, digit_fraction, shared_config, output_dir=str(tmp_path / "a"), steps=4,
                        checkpoint={"every_n_steps": 2, "keep_last": 3}, **common) as uninterrupted:
         straight = uninterrupted.train()
@@ -92,6 +96,11 @@ def test_a_resumed_run_repeats_the_uninterrupted_run_step_for_step(shared_cluste
         assert (resumed.version, resumed.first_step) == (2, 2)
         again = resumed.train()
     assert [_figures(r) for r in again] == [_figures(r) for r in straight[2:]]
+    # factors: warmup (0 + 1) / 2, (1 + 1) / 2; then 1 - p for p = 0 / 2, 1 / 2
+    vocab = json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"]
+    assert all(0 < r.losses["entropy"] < math.log(vocab) for r in straight)  # nats, below a uniform draw
+    for role in ("actor_lr", "critic_lr"):
+        assert [r.losses[role] for r in straight] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], rel=1e-12)
 
 
 @pytest.mark.slow  # a long end-to-end drill: CI runs it in the slow suite

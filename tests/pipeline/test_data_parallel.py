@@ -58,16 +58,17 @@ def _one_rank(experience: Experience, tiny_model: str, mini_batches: int, snapsh
     return weights.load_snapshot(handle)
 
 
-def _two_ranks(cluster, recipe, experience: Experience, mini_batches: int, strategy: str, snapshot_dir: str):
+def _two_ranks(cluster, recipe, experience: Experience, mini_batches: int, strategy: str, snapshot_dir: str,
+               step: actor.PolicyStep | None = None):
     """The update on the two actor workers, each a fresh `recipe()` role; (rank 0's
-    weights, rank 1's handle)."""
+    weights, rank 1's handle). `step`: the update's settings (default: _step's)."""
     client = cluster.client
     client.register_plugin(RoleHost("actor", recipe, torch_threads=1), name=plugin_name("actor"))
     workers = [w["address"] for w in cluster.workers_of("actor")]
     port = client.run(free_port, workers=[workers[0]])[workers[0]]
     host = live_workers(client)[workers[0]]["host"]
     shards = rank_shards(len(experience), 2, mini_batches)
-    step = _step(experience, mini_batches, snapshot_dir)
+    step = step or _step(experience, mini_batches, snapshot_dir)
     futures = [submit(client, "actor", actor.update, [experience.select(r) for r in shards[rank]],
                       GroupInfo(rank, 2, f"tcp://{host}:{port}", "gloo", 0, 60, strategy=strategy), step, workers=[address])
                for rank, address in enumerate(workers)]
