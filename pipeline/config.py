@@ -152,6 +152,12 @@ class TrainConfig:
     lr_schedule: str = "constant"         # decay after warmup: constant, linear or cosine
     lr_min_ratio: float = 0.0             # the decay ends at lr * lr_min_ratio
     weight_decay: float = 0.0             # AdamW weight decay (actor and critic)
+    # DAPO's dynamic sampling: groups whose rewards are all equal are left out and more prompts
+    # drawn (prompts_per_step at a time, at most filter_groups_max_draws times) until the step
+    # has prompts_per_step groups that differ.
+    filter_groups: bool = False
+    filter_groups_max_draws: int = 4
+    overlong_filter: bool = False         # DAPO: responses cut at max_new_tokens leave the loss
 
     def __post_init__(self):
         for f in fields(self):  # types first, so that the range checks below can compare
@@ -242,6 +248,11 @@ class TrainConfig:
             "lr_schedule": (self.lr_schedule in DECAYS, "use " + ", ".join(DECAYS)),
             "lr_min_ratio": (0 <= self.lr_min_ratio <= 1, "use a fraction from 0 to 1 of the learning rate"),
             "weight_decay": (self.weight_decay >= 0, "use 0 (none) or a positive weight, e.g. 0.01"),
+            # A group of one sample has no spread to compare: every group would be left out.
+            "filter_groups": (not self.filter_groups or self.samples_per_prompt >= 2,
+                              "use samples_per_prompt of 2 or more with it, or leave it out"),
+            "filter_groups_max_draws": (0 <= self.filter_groups_max_draws <= 100,
+                                        "use 0 to 100 extra draws a step, e.g. 4"),
         }
 
     @property

@@ -15,7 +15,7 @@ from pipeline.records import Experience, Rollout
 def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch.Tensor,
                      values: torch.Tensor | None, *, algorithm: str, kl_coef: float, gamma: float,
                      lam: float, group_size: int, whiten: bool,
-                     advantage: str = "grpo") -> tuple[Experience, dict[str, float]]:
+                     advantage: str = "grpo", overlong_filter: bool = False) -> tuple[Experience, dict[str, float]]:
     """Args: rollout (B rows), scores (B,), ref_logprobs (B, R), values (B, R) or None for GRPO.
 
     PPO: per-token reward = -kl_coef * KL, plus the score on the last token; GAE with the
@@ -26,6 +26,9 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
     Other critic-free estimators (`advantage`, a key of advantages.ESTIMATORS: rloo,
     reinforce_plus_plus, ...) take GRPO's place.
     `group_size` is the number of rows every group must have.
+    `overlong_filter` (DAPO): a response cut at max_new_tokens (rollout.clipped) leaves the
+    loss (its mask and advantages become 0) after the advantages are computed, so it still
+    counts in its group's baseline as the reward it got.
     """
     mask = rollout.response_mask
     kl = kl_penalty(rollout.behavior_logprobs, ref_logprobs, kind="k1") * mask
@@ -39,8 +42,13 @@ def build_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch
         _check_groups(rollout.group_ids, group_size)
         advantages = ESTIMATORS[advantage](scores, rollout.group_ids, mask, gamma)
         returns = old_values = torch.zeros_like(mask)
+    if overlong_filter:
+        loss_mask = mask * (~rollout.clipped)[:, None]
+        advantages = advantages * loss_mask
+    else:
+        loss_mask = mask
     experience = Experience(
-        input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, response_mask=mask,
+        input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, response_mask=loss_mask,
         behavior_logprobs=rollout.behavior_logprobs, ref_logprobs=ref_logprobs,
         advantages=advantages, returns=returns, old_values=old_values,
         prompt_length=rollout.prompt_length,

@@ -8,10 +8,13 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from pipeline import events
 from pipeline.config import TrainConfig
 from pipeline.data import PromptStream
-from pipeline.records import GenerationRequest, RewardInputs
+from pipeline.records import GenerationRequest, RewardInputs, join_scores
+from pipeline.screening import informative_groups
 from pipeline.roles import critic, reference, reward, rollout
 
 logger = logging.getLogger("dask_rl")
@@ -59,28 +62,52 @@ class InFlight:
 
     def _submit(self, version: int, weights) -> InFlightBatch:
         """Submit generation for one step's prompts, and scoring that starts as each shard lands."""
-        tc, fleet, position = self.train_config, self.fleet, self.prompts.position
+        index, self._submitted = self._submitted, self._submitted + 1
+        batch = InFlightBatch(index, self.prompts.position, version, [], [], [], [])
+        self._add_shards(batch, weights, tag=str(index))
+        return batch
+
+    def fill_informative_groups(self, batch: InFlightBatch, weights) -> int:
+        """DAPO's dynamic sampling (train.filter_groups): a group whose rewards are all equal
+        has no advantage to learn from, so while fewer than prompts_per_step groups differ,
+        one more step's worth of prompts is drawn into this batch, generated and scored as
+        futures like the rest (the batches behind it keep generating), at most
+        filter_groups_max_draws times. Returns the extra draws made."""
+        tc = self.train_config
+        for draw in range(tc.filter_groups_max_draws + 1):
+            rollouts = self.fleet.wait("rollout", batch.rollouts, "generated rollouts")
+            scores = join_scores(self.fleet.wait("reward", batch.scores, "rewards"))
+            groups = torch.cat([r.group_ids for r in rollouts])
+            if len(informative_groups(groups, scores.values)) >= tc.prompts_per_step or \
+                    draw == tc.filter_groups_max_draws:
+                return draw
+            self._add_shards(batch, weights, tag=f"{batch.index}x{draw + 1}")
+        return tc.filter_groups_max_draws
+
+    def _add_shards(self, batch: InFlightBatch, weights, tag: str) -> None:
+        """Draw prompts_per_step prompts into `batch`, a shard per rollout worker."""
+        tc, fleet = self.train_config, self.fleet
         prompts, draws = self.prompts.next_batch(tc.prompts_per_step)
         n_shards = max(1, min(len(fleet.addresses("rollout")), len(prompts)))
-        index, self._submitted = self._submitted, self._submitted + 1
-        batch = InFlightBatch(index, position, version, [], [], [], [])
+        first = len(batch.rollouts)  # shards already in the batch: every shard gets its own seed
         for shard in range(n_shards):
             request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
                                         samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,
-                                        temperature=tc.temperature, seed=tc.seed * 1_000_003 + index * 1009 + shard,
+                                        temperature=tc.temperature,
+                                        seed=tc.seed * 1_000_003 + batch.index * 1009 + first + shard,
                                         stop_token_ids=self.stop_token_ids, stop_strings=tc.stop, top_k=tc.top_k,
                                         top_p=tc.top_p, min_p=tc.min_p)
-            tag = f"{index}-{shard}"
-            generated = fleet.submit("rollout", rollout.generate, request, weights, tag=tag)
+            shard_tag = f"{tag}-{shard}"
+            generated = fleet.submit("rollout", rollout.generate, request, weights, tag=shard_tag)
             batch.rollouts.append(generated)
             batch.scores.append(fleet.submit("reward", reward.score, generated,
-                                             self._reward_inputs(request.group_ids), tag=tag))
+                                             self._reward_inputs(request.group_ids), tag=shard_tag))
             if "reference" in self.roles:
                 batch.ref_logprobs.append(fleet.submit("reference", reference.ref_logprobs, generated,
-                                                       tc.temperature, tag=tag))
+                                                       tc.temperature, tag=shard_tag))
             if "critic" in self.roles:
-                batch.values.append(fleet.submit("critic", critic.values, generated, tc.micro_batch_size, tag=tag))
-        return batch
+                batch.values.append(fleet.submit("critic", critic.values, generated, tc.micro_batch_size,
+                                                 tag=shard_tag))
 
     def _reward_inputs(self, draws: list[int]) -> RewardInputs | None:
         """The original prompt and the fields of each drawn row, by group id (its draw number)."""

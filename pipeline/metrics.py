@@ -47,6 +47,9 @@ class StepRecord:
     dropped_samples: int = 0          # samples left out as bad (train.reward_errors: skip)
     samples: list[dict] = field(default_factory=list)   # a few {"prompt", "response", "reward"} rows
     rewards: dict[str, dict[str, float]] = field(default_factory=dict)  # reward name -> {"mean", "std"}
+    # train.filter_groups: groups left out as all-equal, and extra draws of prompts made.
+    uninformative_groups: int = 0
+    extra_draws: int = 0
     evaluation: dict[str, float] = field(default_factory=dict)  # "eval/..." figures finished during the step
 
     def figures(self) -> dict[str, float]:
@@ -55,7 +58,8 @@ class StepRecord:
                 "kl": self.kl_mean, "response_length": self.response_length, "tokens": self.tokens,
                 "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
                 "staleness": self.staleness, "clipped_fraction": self.clipped_fraction, "dropped_samples": self.dropped_samples,
-                "oom_backoffs": self.oom_backoffs, **self.losses,
+                "oom_backoffs": self.oom_backoffs, "uninformative_groups": self.uninformative_groups,
+                "extra_draws": self.extra_draws, **self.losses,
                 **{f"seconds_{phase}": value for phase, value in self.phases.items()},
                 **{f"rewards/{name}/{stat}": value for name, stats in self.rewards.items()
                    for stat, value in stats.items()},

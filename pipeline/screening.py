@@ -88,6 +88,34 @@ def checked_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: tor
     return experience, stats
 
 
+def informative_groups(group_ids: torch.Tensor, scores: torch.Tensor) -> list[int]:
+    """The group ids, in order of first appearance, whose finite scores are not all equal
+    (DAPO's dynamic sampling keeps only those: an all-equal group's advantages are all 0)."""
+    informative = []
+    for group in dict.fromkeys(group_ids.tolist()):
+        values = scores[group_ids == group]
+        values = values[values.isfinite()]
+        if len(values) > 1 and bool((values != values[0]).any()):
+            informative.append(group)
+    return informative
+
+
+def keep_informative_groups(rollout: Rollout, scores: Scores, per_token: dict[str, torch.Tensor], groups: int,
+                            min_rows: int) -> tuple[Rollout, Scores, dict[str, torch.Tensor], int]:
+    """The rows of the first `groups` informative groups, and how many groups were left out.
+    With fewer than `min_rows` such rows (every group all-equal), every row is kept: their
+    advantages are 0, and an update needs its rows."""
+    kept_groups = informative_groups(rollout.group_ids, scores.values)[:groups]
+    rows = torch.isin(rollout.group_ids, torch.tensor(kept_groups, dtype=rollout.group_ids.dtype)).nonzero().flatten()
+    all_groups = len(set(rollout.group_ids.tolist()))
+    if len(rows) < min_rows:
+        logger.warning("dask-rl: train.filter_groups: %d of %d groups have rewards that differ, too few for the "
+                       "update's %d rows; training on every group this step", len(kept_groups), all_groups, min_rows)
+        return rollout, scores, per_token, 0
+    return (rollout.select(rows), scores.select(rows), {k: v[rows] for k, v in per_token.items()},
+            all_groups - len(kept_groups))
+
+
 def _bad_rows(experience: Experience) -> torch.Tensor:
     return ~(experience.advantages.isfinite().all(-1) & experience.returns.isfinite().all(-1))
 

@@ -27,7 +27,7 @@ from pipeline.outputs import RunOutputs
 from pipeline.recipes import role_recipes
 from pipeline.inflight import InFlight
 from pipeline.records import join_scores, join_shards
-from pipeline.screening import SampleScreen, checked_experience, screen_samples
+from pipeline.screening import SampleScreen, checked_experience, keep_informative_groups, screen_samples
 from pipeline.update import PolicyUpdate
 from resources.adaptive import RoleAdaptive
 from resources.allocator import OUT_OF_MEMORY
@@ -181,6 +181,8 @@ class HybridTrainer:
         #    with the current weights while this one is trained on (0 = strictly on-policy).
         with timer("wait_rollout"):
             batch = self.batches.next(self.version, self.weights)
+            # DAPO's dynamic sampling: more prompts into this batch until enough groups differ.
+            extra_draws = self.batches.fill_informative_groups(batch, self.weights) if tc.filter_groups else 0
             rollouts = self.fleet.wait("rollout", batch.rollouts, "generated rollouts")
         # 2. Rewards, reference log-probs and critic values were computed on the rollout
         #    workers' outputs as soon as each shard finished; the shards join, padded once.
@@ -192,6 +194,10 @@ class HybridTrainer:
             # Samples with a non-finite reward, logprob or value: dropped or refused (train.reward_errors).
             screen = self._screen()
             rollout_data, scores, per_token, dropped = screen_samples(rollout_data, scores, per_token, screen)
+            uninformative = 0
+            if tc.filter_groups:  # the first prompts_per_step groups whose rewards differ
+                rollout_data, scores, per_token, uninformative = keep_informative_groups(
+                    rollout_data, scores, per_token, tc.prompts_per_step, screen.min_rows)
             rewards = reward_figures(scores.components)  # each reward's mean and std
         # 3. Advantages on the driver: small CPU tensors, pure math. Without a reference
         #    model (kl_coef 0) the behaviour logprobs stand in: the KL is exactly 0.
@@ -200,7 +206,7 @@ class HybridTrainer:
                 rollout_data, scores.values, per_token.get("ref_logprobs", rollout_data.behavior_logprobs),
                 per_token.get("values"), screen, algorithm=tc.algorithm, kl_coef=tc.kl_coef, gamma=tc.gamma,
                 lam=tc.lam, group_size=tc.samples_per_prompt, whiten=tc.whiten_advantages,
-                advantage=tc.estimator)
+                advantage=tc.estimator, overlong_filter=tc.overlong_filter)
         # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
         with timer("update"):
             losses = self.update(experience)
@@ -211,7 +217,8 @@ class HybridTrainer:
                             reward_std=stats["reward_std"], clipped_fraction=stats["clipped_fraction"],
                             dropped_samples=dropped + stats["dropped_samples"],
                             samples=self.outputs.samples(rollout_data, scores, self.prompts.row),
-                            rewards=rewards, evaluation=evaluated)
+                            rewards=rewards, evaluation=evaluated, uninformative_groups=uninformative,
+                            extra_draws=extra_draws)
         # 5. What the workers made smaller to fit GPU memory meanwhile (logged there too).
         degraded = self.fleet.degradations()
         record.degradations = [d.line() for d in degraded]

@@ -81,8 +81,10 @@ class PolicyUpdate:
     def _once(self, experience: Experience) -> dict[str, float]:
         tc, fleet = self.train_config, self.fleet
         blocks = torch.arange(len(experience)).tensor_split(tc.mini_batches)
-        normalizers = tuple(float(experience.response_mask[b].sum()) for b in blocks)
-        sequences = tuple(float((experience.response_mask[b].sum(-1) > 0).sum()) for b in blocks)
+        # At least 1: a mini-batch with no token in the loss (train.overlong_filter took every
+        # response out) then adds a loss of exactly 0 instead of dividing by 0.
+        normalizers = tuple(max(1.0, float(experience.response_mask[b].sum())) for b in blocks)
+        sequences = tuple(max(1.0, float((experience.response_mask[b].sum(-1) > 0).sum())) for b in blocks)
         # The schedule's position is the number of updates applied (the policy version), which
         # checkpoints hold: a resumed run continues it exactly.
         factor = lr_factor(self.fleet.version, tc.steps, tc.lr_warmup_steps, tc.lr_schedule, tc.lr_min_ratio)
