@@ -23,6 +23,7 @@ class ResourceRequest:
     strategy: str | None = None
     workers: int | None = None
     device_type: str | None = None
+    jobs: int | None = None      # a job-queue role's job count (one worker each)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ def requested_spec(config: ResourceConfig, request: ResourceRequest) -> RoleSpec
     if component not in config.roles:
         raise ValueError(f"update_resource: unknown component {component!r}. Fix: use one of {sorted(config.roles)}.")
     current = config.role(component)
+    if current.job_queue is not None:
+        return _requested_jobs(current, request)
+    if request.jobs is not None:
+        raise ValueError(f"update_resource: jobs= is for a role on a job queue; {component} runs on local "
+                         f"{'GPUs: give device_ids' if current.device_type == 'cuda' else 'CPU workers: give workers'}")
     kind = device_type or current.device_type
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"update_resource: device_type={device_type!r}. Fix: use 'cuda' or 'cpu'.")
@@ -77,3 +83,19 @@ def requested_spec(config: ResourceConfig, request: ResourceRequest) -> RoleSpec
         raise ValueError(f"update_resource: that would remove the last {component} worker. Fix: keep at least one "
                          f"device or worker for {component}; move it elsewhere by giving the new one in the same call.")
     return replace(spec, strategy=request.strategy or spec.strategy)
+
+
+def _requested_jobs(current: RoleSpec, request: ResourceRequest) -> RoleSpec:
+    """A job-queue role changes its number of jobs (jobs=, or workers= which means the same)."""
+    component = request.component
+    if request.device_ids or request.device_type:
+        raise ValueError(f"update_resource: {component} runs as batch jobs, whose devices the queue gives. Fix: "
+                         f"give jobs=N (one worker per job), or change its section of the resource file")
+    if request.jobs is not None and request.workers is not None and request.jobs != request.workers:
+        raise ValueError(f"update_resource: jobs={request.jobs} and workers={request.workers} disagree for "
+                         f"{component} (one worker per job). Fix: give only jobs=N")
+    count = next((n for n in (request.jobs, request.workers) if n is not None), current.workers)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"update_resource: jobs={count!r} for {component}. Fix: give jobs=1 or more: removing the "
+                         f"last {component} worker would stop the training")
+    return replace(current, workers=count, strategy=request.strategy or current.strategy)
