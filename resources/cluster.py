@@ -18,9 +18,10 @@ from distributed import Client, Future, Scheduler, SpecCluster
 from distributed.security import Security
 
 from resources.config import DEFAULT_TIMEOUT_SECONDS
-from resources.job_queue import JobLauncher, JobRefused
+from resources.job_queue import JobLauncher, JobRefused, dask_env, job_script
 from resources.launcher import LocalLauncher, close_nannies, dask_worker_spec
-from resources.plan import WorkerSpec
+from resources.config import ResourceConfig
+from resources.plan import WorkerSpec, plan_role
 
 logger = logging.getLogger("dask_rl")
 
@@ -45,6 +46,17 @@ def configure_dask() -> None:
     """Apply DASK_SETTINGS in this process; Nannies pass the config on to their workers."""
     dask.config.set(DASK_SETTINGS)
     logging.getLogger("distributed").setLevel(logging.WARNING)
+
+
+def role_job_script(config: ResourceConfig, role: str) -> str:
+    """The batch script each job of a job-queue `role` runs (SLURMCluster.job_script(), with
+    the worker's environment and Dask settings as the trainer submits it)."""
+    spec = config.role(role)
+    if spec.job_queue is None:
+        raise ValueError(f"{role} is not on a job queue. Fix: give it a job_queue section, e.g. "
+                         f"{role}: {{job_queue: slurm, jobs: 2}}")
+    worker = plan_role(spec)[0]
+    return job_script(spec.job_queue, role, env={**worker.env_dict, **dask_env(DASK_SETTINGS)})
 
 
 def tls_security(ca_file: str, cert: str, key: str | None = None) -> Security:
@@ -257,7 +269,7 @@ class RoleCluster:
         queued = [w for w in workers if w.job_queue is not None]  # batch jobs: resources.job_queue
         local = [w for w in workers if w.job_queue is None]
         if queued:
-            self.jobs = self.jobs or JobLauncher(self.client, DASK_SETTINGS)
+            self.jobs = self.jobs or JobLauncher(self.client, dask_env(DASK_SETTINGS))
             self.jobs.start(queued)
         self.specs.update((w.name, w) for w in workers)
         if local and self.launcher is not None:  # connected: Nannies on this host, pointed at the remote scheduler

@@ -53,7 +53,7 @@ def _export(name: str, value: str) -> str:
 def dask_env(settings: Mapping[str, object]) -> dict[str, str]:
     """Dask config as the DASK_* variables a fresh worker process reads (a job's worker gets no
     config from a Nanny of ours): "a.b-c" -> DASK_A__B_C, the value as Python literal text."""
-    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): repr(value)
+    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): value if isinstance(value, str) else repr(value)
             for key, value in settings.items()}
 
 
@@ -80,10 +80,16 @@ def slurm_options(spec: JobQueueSpec, role: str, *, env: Mapping[str, str] = (),
     )
 
 
-def job_script(spec: JobQueueSpec, role: str, **kwargs) -> str:
-    """The batch script of one job of `role` (the scheduler address as a placeholder)."""
-    cluster = _slurm_cluster_class()(asynchronous=True, **slurm_options(spec, role, **kwargs))
-    return cluster.job_script()   # asynchronous and never awaited: nothing was started
+PLACEHOLDER = "tcp://<insert-scheduler-address-here>:8786"
+
+
+def job_script(spec: JobQueueSpec, role: str, *, scheduler: str = PLACEHOLDER, name: str = "dummy-name",
+               **kwargs) -> str:
+    """The batch script of one job of `role`: what `SLURMCluster(**slurm_options(spec, role)).
+    job_script()` prints (it builds the same job with the same placeholders), without
+    starting the scheduler a SLURMCluster would."""
+    job_cls = _slurm_cluster_class().job_cls
+    return job_cls(scheduler, name=name, **slurm_options(spec, role, **kwargs)).job_script()
 
 
 def job_state(job_id: str, env: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -111,9 +117,9 @@ class JobLauncher:
     """Submits and cancels the jobs of job-queue role workers for one scheduler, on a Client's
     event loop (dask-jobqueue's jobs are awaited there)."""
 
-    def __init__(self, client, dask_settings: Mapping[str, object] = ()):
+    def __init__(self, client, env: Mapping[str, str] = ()):
         self.client = client
-        self.env = dask_env(dict(dask_settings))
+        self.env = dict(env)   # exported in every job, besides the worker's own (WorkerSpec.env)
         self.jobs: dict[str, object] = {}    # worker name -> SLURMJob
         self.joined: set[str] = set()        # names whose worker registered at least once
 

@@ -43,14 +43,14 @@ def plan_role(spec: RoleSpec, first_index: int = 0) -> list[WorkerSpec]:
     cuda = spec.device_type == "cuda" and spec.job_queue is None
     devices: list[int | None] = list(spec.device_ids) if cuda else [None] * spec.workers
     # A CPU worker hides every GPU; a GPU job's one GPU is the one SLURM gives it (--gres).
-    pinned = {} if spec.job_queue is not None and spec.device_type == "cuda" else None
+    job_gpu = spec.job_queue is not None and spec.device_type == "cuda"
     return [
         WorkerSpec(
             name=f"{spec.role}-{first_index + k}",
             role=spec.role,
             device_type=spec.device_type,
             device_id=device_id,
-            env=tuple((pin_to_device(device_id) if pinned is None else pinned).items()),
+            env=() if job_gpu else tuple(pin_to_device(device_id).items()),
             job_queue=spec.job_queue,
         )
         for k, device_id in enumerate(devices)
