@@ -17,10 +17,9 @@ import dask
 from distributed import Client, Future, Scheduler, SpecCluster
 from distributed.security import Security
 
-from resources.config import DEFAULT_TIMEOUT_SECONDS
+from resources.config import DEFAULT_TIMEOUT_SECONDS, ResourceConfig
 from resources.job_queue import JobLauncher, JobRefused, dask_env, job_script
 from resources.launcher import LocalLauncher, close_nannies, dask_worker_spec
-from resources.config import ResourceConfig
 from resources.plan import WorkerSpec, plan_role
 
 logger = logging.getLogger("dask_rl")

@@ -171,13 +171,17 @@ class JobLauncher:
         return ended
 
     def lost(self, live_names: Iterable[str]) -> dict[str, str]:
-        """Workers whose job had joined and whose worker is gone: name -> "SLURM job 12 ...
-        (state, reason)". They are forgotten here (their job cancelled, should it linger)."""
+        """Workers that joined, are gone, and whose job has ended: name -> "SLURM job 12
+        (worker rollout-1): CANCELLED, reason None". They are forgotten here. A worker gone
+        while its job still runs is left alone: its Nanny is restarting it."""
         live = set(live_names)
-        gone = [name for name in self.joined if name in self.jobs and name not in live]
-        described = {name: self.describe(name) for name in gone}
-        self.stop(gone)
-        return described
+        lost = {}
+        for name in [n for n in self.joined if n in self.jobs and n not in live]:
+            state, reason = job_state(self.jobs[name].job_id)
+            if state in ENDED:
+                lost[name] = f"SLURM job {self.jobs[name].job_id} (worker {name}): {state}, reason {reason}"
+        self.stop(lost)
+        return lost
 
     def stop(self, names: Iterable[str]) -> None:
         """Cancel the jobs of `names` (scancel; a job already ended is fine) and forget them."""
