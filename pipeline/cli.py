@@ -173,6 +173,8 @@ def _add_cluster_commands(commands) -> None:
     # --workers 0 is left to the trainer, which says why the last worker of a role cannot go.
     scale.add_argument("--workers", type=_workers(low=0),
                        help="the role's CPU workers after the change")
+    scale.add_argument("--jobs", type=_workers(low=0), help="the role's batch jobs after the change (a role on a "
+                       "job queue)")
     scale.add_argument("--strategy", help="e.g. data_parallel for reward on several devices")
     scale.add_argument("--device-type", choices=("cuda", "cpu"), help="move the role between GPUs and CPU")
     scale.add_argument("--timeout", type=_seconds(), default=600.0, help="seconds to wait for the trainer's answer")
@@ -195,7 +197,7 @@ def run_scale(args: argparse.Namespace) -> int:
     from pipeline.fleet.boundary import send_remote_request
 
     request = {"component": args.role, "device_ids": args.device_ids, "strategy": args.strategy,
-               "workers": args.workers, "device_type": args.device_type}
+               "workers": args.workers, "device_type": args.device_type, "jobs": args.jobs}
     with Client(args.address, timeout=10, security=security_from(args)) as client:
         answer = send_remote_request(client, request, args.timeout)
     if "error" in answer:

@@ -247,14 +247,17 @@ class HybridTrainer:
 
     # -- placement: the fleet applies it ---------------------------------------------------
     def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,
-                        *, workers: int | None = None, device_type: str | None = None) -> list[ResourceChange]:
-        """Give `component` these devices (GPU roles) or this many workers (CPU roles).
+                        *, workers: int | None = None, device_type: str | None = None,
+                        jobs: int | None = None) -> list[ResourceChange]:
+        """Give `component` these devices (GPU roles), this many workers (CPU roles) or this
+        many batch jobs (a role on a job queue: submitted, or drained then cancelled).
 
         Safe to call from another thread while train() runs. Rollout, reward and reference
         change at once; the actor and critic at the next step boundary (this call waits for
         it). A bad request raises before anything changes. Returns what changed per role.
         """
-        return self.fleet.update_resource(ResourceRequest(component, device_ids, strategy, workers, device_type))
+        return self.fleet.update_resource(ResourceRequest(component, device_ids, strategy, workers, device_type,
+                                                          jobs))
 
     def adapt(self, bounds: dict[str, tuple[int, int]] | None = None, interval: float = 2.0, wait_count: int = 3,
               **policy: Any) -> RoleAdaptive:

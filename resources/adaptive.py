@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -127,7 +127,7 @@ class Hysteresis:
 
 def decide(loads: Mapping[str, RoleLoad], *, thresholds: Thresholds = Thresholds(),
            streaks: Mapping[str, int] | None = None, wait_count: int = 1,
-           spare: Mapping[str, int] | None = None) -> list[Decision]:
+           spare: Mapping[str, int] | None = None, queues: Collection[str] = ()) -> list[Decision]:
     """At most one action for these loads; [] when there is nothing to do.
 
     `streaks[role]`: consecutive observations in the role's current state (default: 1 each,
@@ -138,11 +138,17 @@ def decide(loads: Mapping[str, RoleLoad], *, thresholds: Thresholds = Thresholds
       2. a role below its min gets one from the role of its pool with the most above its
          min (idlest first), or grows from a spare;
       3. the most starved role below its max grows from a spare, else takes one from the
-         idlest role of its pool above its min.
+         idlest role of its pool above its min;
+      4. the idlest role of a pool in `queues` (a job queue: its spare is the queue's) above
+         its min shrinks: the job goes back to the queue, no other role needs it.
     Nothing ever goes below a min or above a max.
     """
     streaks = streaks or {}
     spare = spare or {}
+
+    def from_spare(pool: str) -> str:
+        return "a job is submitted to the queue" if pool in queues else "a spare device is free"
+
     states = {role: classify(load, thresholds) for role, load in loads.items()}
 
     def firm(role: str, state: str) -> bool:
@@ -157,7 +163,7 @@ def decide(loads: Mapping[str, RoleLoad], *, thresholds: Thresholds = Thresholds
         if load.workers < load.bounds.minimum:
             short = f"{load.role} has {_plural(load.workers, 'worker')}, below its min of {load.bounds.minimum}"
             if spare.get(load.pool, 0) > 0:
-                return [Decision("grow", None, load.role, f"{short}; a spare device is free")]
+                return [Decision("grow", None, load.role, f"{short}; {from_spare(load.pool)}")]
             donors = [d for d in by_idleness if d.role != load.role and d.pool == load.pool
                       and d.workers > d.bounds.minimum]
             if donors:
@@ -169,12 +175,15 @@ def decide(loads: Mapping[str, RoleLoad], *, thresholds: Thresholds = Thresholds
                      key=lambda l: (-l.per_worker, -l.busy, l.role))
     for hungry in starved:
         if spare.get(hungry.pool, 0) > 0:
-            return [Decision("grow", None, hungry.role, f"{_starved_reason(hungry)}; a spare device is free")]
+            return [Decision("grow", None, hungry.role, f"{_starved_reason(hungry)}; {from_spare(hungry.pool)}")]
         donors = [d for d in by_idleness if d.role != hungry.role and d.pool == hungry.pool
                   and firm(d.role, IDLE) and d.workers > d.bounds.minimum]
         if donors:
             return [Decision("move", donors[0].role, hungry.role,
                              f"{_starved_reason(hungry)}; {_idle_reason(donors[0])}")]
+    for load in by_idleness:
+        if load.pool in queues and firm(load.role, IDLE) and load.workers > load.bounds.minimum:
+            return [Decision("shrink", load.role, None, f"{_idle_reason(load)}; its job goes back to the queue")]
     return []
 
 
@@ -193,6 +202,7 @@ class RoleAdaptive:
             at least 5 s).
         pools: role -> pool ("cuda"/"cpu"): devices move only within a pool.
         spare: pool -> free devices no role holds (grow takes from them first).
+        queues: pools that are job queues: an idle role there shrinks (its job is cancelled).
         measure: () -> role_sample dict; replaces the scheduler call (tests).
     """
 
@@ -201,7 +211,7 @@ class RoleAdaptive:
                  interval: float = 2.0, wait_count: int = 3, window: float | None = None,
                  thresholds: Thresholds = Thresholds(), pools: Mapping[str, str] | None = None,
                  spare: Mapping[str, int] | None = None, measure: Callable[[], dict] | None = None,
-                 decisions: list[Decision] | None = None):
+                 decisions: list[Decision] | None = None, queues: Collection[str] = ()):
         self.bounds = {role: b if isinstance(b, AdaptiveBounds) else AdaptiveBounds(*b) for role, b in bounds.items()}
         for role, b in self.bounds.items():
             if not 1 <= b.minimum <= b.maximum:
@@ -214,6 +224,7 @@ class RoleAdaptive:
         self.interval = interval
         self.window = window if window is not None else max(interval * wait_count, 5.0)
         self.thresholds, self.pools, self.spare = thresholds, dict(pools or {}), dict(spare or {})
+        self.queues = frozenset(queues)
         self._measure = measure or self._sample_scheduler
         self.decisions: list[Decision] = decisions if decisions is not None else []
         self.hysteresis = Hysteresis()
@@ -227,7 +238,7 @@ class RoleAdaptive:
         """{"status": "same"}, or the first decision the policy makes on the current loads."""
         streaks = self.hysteresis.observe({role: classify(load, self.thresholds) for role, load in self.loads.items()})
         decisions = decide(self.loads, thresholds=self.thresholds, streaks=streaks, wait_count=self.wait_count,
-                           spare=self.spare)
+                           spare=self.spare, queues=self.queues)
         return {"status": decisions[0].kind, "decision": decisions[0]} if decisions else {"status": "same"}
 
     def observe(self) -> dict[str, RoleLoad]:

@@ -17,8 +17,10 @@ import dask
 from distributed import Client, Future, Scheduler, SpecCluster
 from distributed.security import Security
 
+from resources.config import DEFAULT_TIMEOUT_SECONDS, ResourceConfig
+from resources.job_queue import JobLauncher, JobRefused, dask_env, job_script
 from resources.launcher import LocalLauncher, close_nannies, dask_worker_spec
-from resources.plan import WorkerSpec
+from resources.plan import WorkerSpec, plan_role
 
 logger = logging.getLogger("dask_rl")
 
@@ -43,6 +45,17 @@ def configure_dask() -> None:
     """Apply DASK_SETTINGS in this process; Nannies pass the config on to their workers."""
     dask.config.set(DASK_SETTINGS)
     logging.getLogger("distributed").setLevel(logging.WARNING)
+
+
+def role_job_script(config: ResourceConfig, role: str) -> str:
+    """The batch script each job of a job-queue `role` runs (SLURMCluster.job_script(), with
+    the worker's environment and Dask settings as the trainer submits it)."""
+    spec = config.role(role)
+    if spec.job_queue is None:
+        raise ValueError(f"{role} is not on a job queue. Fix: give it a job_queue section, e.g. "
+                         f"{role}: {{job_queue: slurm, jobs: 2}}")
+    worker = plan_role(spec)[0]
+    return job_script(spec.job_queue, role, env={**worker.env_dict, **dask_env(DASK_SETTINGS)})
 
 
 def tls_security(ca_file: str, cert: str, key: str | None = None) -> Security:
@@ -141,18 +154,22 @@ class RoleCluster:
     """
 
     launcher = None  # connected mode: the LocalLauncher of workers add_workers started here
+    jobs: JobLauncher | None = None  # the batch jobs of job-queue role workers (resources.job_queue)
     worker_imports: tuple[str, ...] = ()
 
     def __init__(self, workers: Iterable[WorkerSpec], *, dashboard_address: str = ":8787", host: str = "127.0.0.1",
                  security: Security | None = None, preload: Iterable[str] = (),
-                 worker_imports: Iterable[str] = (), silence_logs: int = logging.WARNING):
+                 worker_imports: Iterable[str] = (), silence_logs: int = logging.WARNING,
+                 timeout: float = DEFAULT_TIMEOUT_SECONDS):
         """`host`: the interface the scheduler, its dashboard and the workers listen on
-        (localhost unless asked; "0.0.0.0" is every interface); `security`: TLS for every
-        connection (tls_security); `preload`: modules the scheduler imports as it starts;
-        `worker_imports`: modules each worker starts importing as its process comes up
-        (launcher.BackgroundImports)."""
+        (localhost unless asked; "0.0.0.0" is every interface, as batch jobs on other nodes
+        need); `security`: TLS for every connection (tls_security); `preload`: modules the
+        scheduler imports as it starts; `worker_imports`: modules each worker starts importing
+        as its process comes up (launcher.BackgroundImports); `timeout`: how long job-queue
+        workers may take to join (their jobs are submitted once the scheduler runs)."""
         configure_dask()
-        self.specs: dict[str, WorkerSpec] = {w.name: w for w in workers}
+        workers = list(workers)
+        self.specs: dict[str, WorkerSpec] = {w.name: w for w in workers if w.job_queue is None}
         self.host, self.security = host, security
         self.worker_imports = tuple(worker_imports)
         options = {"dashboard_address": listen_address(dashboard_address, host), "host": host,
@@ -165,6 +182,13 @@ class RoleCluster:
             security=security,
         )
         self.client = Client(self.cluster, direct_to_workers=True, security=security)
+        queued = [w for w in workers if w.job_queue is not None]
+        try:
+            if queued:
+                self.add_workers(queued, timeout)
+        except BaseException:
+            self.close()
+            raise
 
     def _worker_spec(self, worker: WorkerSpec) -> dict:
         return dask_worker_spec(worker, host=self.host, security=self.security, imports=self.worker_imports)
@@ -248,21 +272,46 @@ class RoleCluster:
         executes any task, so it takes work only once its model is loaded.
         """
         workers = list(workers)
+        queued = [w for w in workers if w.job_queue is not None]  # batch jobs: resources.job_queue
+        local = [w for w in workers if w.job_queue is None]
+        if queued:
+            self.jobs = self.jobs or JobLauncher(self.client, dask_env(DASK_SETTINGS))
+            self.jobs.start(queued)
         self.specs.update((w.name, w) for w in workers)
-        if self.launcher is not None:  # connected: Nannies on this host, pointed at the remote scheduler
-            self.launcher.start(workers, timeout)
-        else:
-            self.cluster.add({w.name: self._worker_spec(w) for w in workers})
-        return self._wait_for_names({w.name for w in workers}, timeout)
+        if local and self.launcher is not None:  # connected: Nannies on this host, pointed at the remote scheduler
+            self.launcher.start(local, timeout)
+        elif local:
+            self.cluster.add({w.name: self._worker_spec(w) for w in local})
+        try:
+            return self._wait_for_names({w.name for w in workers}, timeout)
+        except (TimeoutError, JobRefused):
+            self.forget([w.name for w in queued])  # a job that never joined is cancelled, not left queued
+            raise
 
     def _wait_for_names(self, names: set[str], timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
+        queued = {name for name in names if self.jobs and self.jobs.job_id(name)}
+        checked = time.monotonic()
         while True:
             live = {w["name"]: addr for addr, w in live_workers(self.client).items()}
             if names <= set(live):
+                if self.jobs:
+                    self.jobs.joined.update(queued)
                 return {name: live[name] for name in names}
+            waiting = sorted(names - set(live))
+            if queued and time.monotonic() - checked > 2:  # a job that ended will never join: say so now
+                checked = time.monotonic()
+                ended = self.jobs.ended_before_joining(set(waiting) & queued)
+                if ended:
+                    raise JobRefused(f"{'; '.join(ended)}: the job ended before its worker joined. Fix: read the "
+                                     f"job's output file (log_directory) for the worker's error")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers {sorted(names - set(live))} did not join the scheduler within "
+                jobs = [self.jobs.describe(name) for name in waiting if name in queued]
+                if jobs:
+                    raise TimeoutError(f"{'; '.join(jobs)}: its worker did not join within {timeout:.0f}s "
+                                       f"(timeout_seconds); the job was cancelled. Fix: free or change the "
+                                       f"queue (squeue shows why it waits), or raise timeout_seconds")
+                raise TimeoutError(f"workers {waiting} did not join the scheduler within "
                                    f"{timeout:.0f}s (timeout_seconds); check their logs and the devices")
             time.sleep(0.2)
 
@@ -279,6 +328,22 @@ class RoleCluster:
                 states[name] = f"Nanny {getattr(nanny.status, 'name', nanny.status)}, " + (
                     f"worker pid {pid}" if pid else "no worker process")
         return states
+
+    def forget(self, names: list[str]) -> None:
+        """Drop the specs of `names` and cancel their jobs (a worker already gone, or never come)."""
+        for name in names:
+            self.specs.pop(name, None)
+        if self.jobs is not None:
+            self.jobs.stop(names)
+
+    def lost_jobs(self) -> list[tuple[str, str]]:
+        """Job-queue workers that joined and are gone (the queue killed or preempted their
+        job): (role, "SLURM job 12 (worker rollout-1): CANCELLED, reason None") each. They
+        are forgotten, so a reconciliation of the role starts replacements."""
+        if self.jobs is None or not self.jobs.joined:
+            return []
+        lost = self.jobs.lost(str(w["name"]) for w in live_workers(self.client).values())
+        return [(self.specs.pop(name).role, described) for name, described in lost.items()]
 
     def drain(self, addresses: list[str], role: str, timeout: float) -> None:
         """Stop routing `role` tasks to `addresses` and wait for their running tasks to end.
@@ -322,15 +387,20 @@ class RoleCluster:
         info = live_workers(self.client)
         names = [info[addr]["name"] for addr in addresses if addr in info]
         self.client.retire_workers(workers=addresses, close_workers=True)
+        queued = [name for name in names if self.specs.get(name) and self.specs[name].job_queue]
+        self.forget(queued)  # the worker has closed, so its job ends; scancel makes sure
+        names = [name for name in names if name not in queued]
         for name in names:
             self.specs.pop(name, None)
         if self.launcher is not None:
             self.launcher.stop(names)
-        else:
+        elif names:
             self.cluster.remove(names)
 
     def close(self) -> None:
         """Stop what this object started; a connected one leaves the scheduler running."""
+        if self.jobs is not None:
+            self.jobs.close()  # first: the jobs are cancelled while the client's loop still runs
         if self.launcher is not None:
             self.launcher.close()  # first: its Nannies run on the client's event loop
             self.client.close()

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ROLES", "STRATEGIES", "AdaptiveBounds", "ResourceConfig", "ResourceConfigError",
+__all__ = ["ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig", "ResourceConfigError",
            "RoleSpec", "shorten"]
 
 ROLES = ("actor", "critic", "reference", "reward", "rollout")
@@ -90,6 +90,32 @@ class FrozenMap(Mapping):
 
 
 @dataclass(frozen=True)
+class JobQueueSpec:
+    """How one job of a job-queue role is asked for (resources.job_queue_spec parses it;
+    resources.job_queue submits it). The number of jobs is the role's `workers`: each job
+    runs one worker process, on one GPU when gpus_per_job is 1."""
+
+    scheduler: str = "slurm"
+    gpus_per_job: int = 0
+    cores: int = 1                 # CPUs per job (the worker still runs one task at a time)
+    memory: str = "4GB"            # per job, as SLURM's --mem
+    queue: str | None = None       # the partition (-p)
+    account: str | None = None     # -A
+    walltime: str = "01:00:00"     # -t
+    job_extra: tuple[str, ...] = ()     # more #SBATCH directives, e.g. "--constraint=a100"
+    prologue: tuple[str, ...] = ()      # shell lines run before the worker, e.g. "module load cuda"
+    log_directory: str | None = None    # where the jobs' output goes (None: sbatch's working directory)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"job_queue": self.scheduler, "gpus_per_job": self.gpus_per_job,
+                                "cores": self.cores, "memory": self.memory, "walltime": self.walltime}
+        optional = {"queue": self.queue, "account": self.account, "job_extra": list(self.job_extra),
+                    "prologue": list(self.prologue), "log_directory": self.log_directory}
+        data.update((key, value) for key, value in optional.items() if value)
+        return data
+
+
+@dataclass(frozen=True)
 class RoleSpec:
     role: str
     device_type: str  # "cuda" | "cpu"
@@ -98,6 +124,7 @@ class RoleSpec:
     strategy: str
     vllm_args: tuple[tuple[str, object], ...] = ()  # a tuple so the spec stays immutable
     placed_with: str | None = None  # "actor" when defaulted from the actor, not in the file
+    job_queue: JobQueueSpec | None = None  # workers are batch jobs (`workers` of them), not local devices
 
     @property
     def vllm_kwargs(self) -> dict[str, object]:
@@ -165,6 +192,8 @@ class ResourceConfig:
 
 
 def role_dict(spec: RoleSpec) -> dict[str, Any]:
+    if spec.job_queue is not None:
+        return {**spec.job_queue.to_dict(), "jobs": spec.workers, "strategy": spec.strategy}
     data: dict[str, Any] = {"device_type": spec.device_type,
                             "device_ids": list(spec.device_ids), "strategy": spec.strategy}
     if spec.device_type == "cpu":

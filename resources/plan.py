@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from resources.config import ROLES, ResourceConfig, RoleSpec
+from resources.config import ROLES, JobQueueSpec, ResourceConfig, RoleSpec
 from resources.devices import pin_to_device
 
 __all__ = ["WorkerSpec", "device_roles", "plan_role", "plan_workers"]
@@ -26,6 +26,7 @@ class WorkerSpec:
     device_id: int | None  # physical (NVML) GPU id; None for cpu
     env: tuple[tuple[str, str], ...]  # from devices.pin_to_device; a tuple keeps it frozen
     nthreads: int = 1  # one task at a time: a model on a GPU is not shared between threads
+    job_queue: JobQueueSpec | None = None  # a batch job (resources.job_queue), not a local process
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -39,15 +40,18 @@ class WorkerSpec:
 
 def plan_role(spec: RoleSpec, first_index: int = 0) -> list[WorkerSpec]:
     """Workers for one role, numbered from `first_index` (scaling up adds after the last)."""
-    cuda = spec.device_type == "cuda"
+    cuda = spec.device_type == "cuda" and spec.job_queue is None
     devices: list[int | None] = list(spec.device_ids) if cuda else [None] * spec.workers
+    # A CPU worker hides every GPU; a GPU job's one GPU is the one SLURM gives it (--gres).
+    job_gpu = spec.job_queue is not None and spec.device_type == "cuda"
     return [
         WorkerSpec(
             name=f"{spec.role}-{first_index + k}",
             role=spec.role,
             device_type=spec.device_type,
             device_id=device_id,
-            env=tuple(pin_to_device(device_id).items()),
+            env=() if job_gpu else tuple(pin_to_device(device_id).items()),
+            job_queue=spec.job_queue,
         )
         for k, device_id in enumerate(devices)
     ]
@@ -84,15 +88,16 @@ def plan_change(current: Iterable[WorkerSpec], spec: RoleSpec, next_index: int
     `next_index`, so a name is never reused for a different worker.
     """
     current = [w for w in current if w.role == spec.role]
-    if spec.device_type == "cuda":
+    if spec.device_type == "cuda" and spec.job_queue is None:
         wanted = list(spec.device_ids)
         keep = [w for w in current if w.device_type == "cuda" and w.device_id in wanted]
         kept_ids = {w.device_id for w in keep}
         new_ids = [i for i in wanted if i not in kept_ids]
         start = [replace(w, name=f"{spec.role}-{next_index + k}")
                  for k, w in enumerate(plan_role(replace(spec, device_ids=tuple(new_ids), workers=len(new_ids))))]
-    else:
-        keep = [w for w in current if w.device_type == "cpu"][:spec.workers]
+    else:  # CPU workers or jobs: a count
+        keep = [w for w in current if w.device_type == spec.device_type and w.job_queue == spec.job_queue
+                ][:spec.workers]
         start = plan_role(replace(spec, workers=spec.workers - len(keep)), next_index) if spec.workers > len(keep) else []
     retire = [w for w in current if w not in keep]
     return start, retire

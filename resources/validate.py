@@ -24,6 +24,7 @@ from resources.config import (
     ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
 from resources.devices import GpuInfo
+from resources.job_queue_spec import parse_job_queue_role
 from resources.vllm_keys import SET_BY_DASK_RL
 from resources.yaml_reader import read_yaml
 
@@ -244,6 +245,9 @@ class _Parser:
         if not isinstance(raw, Mapping):
             raise self.error(role, raw, "a role must be a mapping of settings",
                              f"write e.g. {role}: {{device_type: cuda, device_ids: [0]}}")
+        if "job_queue" in raw:  # workers are batch jobs: resources/job_queue_spec.py
+            return parse_job_queue_role(self, role, raw, lambda workers, device_type: self.strategy(
+                role, raw.get("strategy", _MISSING), workers, device_type))
         self.check_keys(raw, ROLE_KEYS, prefix=f"{role}.")
         device_type = self.device_type(role, raw.get("device_type", _MISSING))
         if device_type == "cuda":
@@ -385,7 +389,8 @@ class _Parser:
                                      "true to co-locate them on purpose (one-GPU machines)")
 
     def check_devices(self, config: ResourceConfig) -> None:
-        cuda = [spec for spec in config.roles.values() if spec.device_type == "cuda"]
+        # A job-queue role's GPUs are on its jobs' nodes, not this host's.
+        cuda = [spec for spec in config.roles.values() if spec.device_type == "cuda" and spec.job_queue is None]
         if not cuda:
             return  # a CPU-only file must load without NVML
         gpus = list(self.gpus) if self.gpus is not None else devices.get_gpu_usage()

@@ -4,6 +4,7 @@ cluster serves every test that does not kill, add or retire workers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import tracemalloc
 
 import pytest
@@ -50,6 +51,32 @@ def role_cluster(config):
 def shared_cluster(shared_config):
     with role_cluster(shared_config) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A single-node SLURM on this machine (tests/slurm_node.py), for the job-queue tests; its
+    client commands find it through SLURM_CONF. Skips with the reason where it cannot start
+    (not root, packages missing), unless DASK_RL_REQUIRE_SLURM=1 (CI), where that fails."""
+    from slurm_node import LocalSlurm, SlurmUnavailable
+
+    pytest.importorskip("dask_jobqueue", reason="pip install 'dask-rl[slurm]'")
+    node = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        node.start()
+    except SlurmUnavailable as why:
+        node.stop()
+        if os.environ.get("DASK_RL_REQUIRE_SLURM") == "1":
+            pytest.fail(f"DASK_RL_REQUIRE_SLURM=1 but no local SLURM: {why}")
+        pytest.skip(f"no local SLURM: {why}")
+    before = os.environ.get("SLURM_CONF")
+    os.environ.update(node.env)
+    yield node
+    node.stop()
+    if before is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = before
 
 
 @pytest.fixture(scope="session")

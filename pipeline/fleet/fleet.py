@@ -65,14 +65,20 @@ class Fleet:
         self.roles = roles
         self.snapshot_dir = snapshot_dir
         self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
-        if cluster is None and scheduler_address is not None:
-            cluster = RoleCluster.connect(scheduler_address, roles, timeout=config.timeout_seconds, security=security,
+        planned = [w for w in plan_workers(config) if w.role in roles]
+        queued = [w for w in planned if w.job_queue is not None]   # batch jobs (resources.job_queue)
+        if cluster is None and scheduler_address is not None:  # joined: this fleet submits the jobs
+            cluster = RoleCluster.connect(scheduler_address, [r for r in roles if not config.role(r).job_queue],
+                                          timeout=config.timeout_seconds, security=security,
                                           worker_imports=WORKER_IMPORTS)
-        self.cluster = cluster or RoleCluster([w for w in plan_workers(config) if w.role in roles],
-                                              dashboard_address=dashboard_address, host=host, security=security,
+            self._start_jobs(cluster, queued)
+        self.cluster = cluster or RoleCluster(planned, dashboard_address=dashboard_address, host=host,
+                                              security=security, timeout=config.timeout_seconds,
                                               preload=["pipeline.dashboard"],  # the RL page and its monitor
                                               worker_imports=WORKER_IMPORTS)
         self.client = self.cluster.client
+        # Jobs the queue takes away (scancel, preemption, walltime) are replaced as they go.
+        self._job_watch = _Every(2.0, self.replace_lost_jobs, "dask-rl-jobs") if self.cluster.jobs else None
         self.groups = ProcessGroups(self.client)
         self.routes = WeightRoutes(self.cluster, weight_sync)
         self.weights: weights.WeightHandle | None = None   # None: the initial weights (version 0)
@@ -84,6 +90,30 @@ class Fleet:
         self._pinned: dict[str, tuple[str, ...]] = {}   # key -> the workers a pending task is pinned to
         # Degradation events are read from here on: an earlier run's on a shared cluster are not ours.
         self._degradations_read = max((stamp for stamp, _ in self.client.get_events(DEGRADATION_TOPIC)), default=0.0)
+
+    def _start_jobs(self, cluster: RoleCluster, queued: list) -> None:
+        """Submit the job-queue roles' jobs to a joined scheduler and wait for their workers;
+        a job that cannot start leaves the scheduler as it was."""
+        try:
+            if queued:
+                cluster.add_workers(queued, self.timeout)
+        except BaseException:
+            cluster.close()
+            raise
+
+    def replace_lost_jobs(self) -> list[str]:
+        """Job-queue workers whose job ended under them (scancel, preemption, walltime) are
+        worker losses: Dask reruns their tasks on the role's other workers, each loss is a
+        fault event naming the job, and the role gets a new job to keep its placement's count."""
+        with self._lock:
+            lost = self.cluster.lost_jobs()
+            for role, job in lost:
+                logger.warning("dask-rl: %s lost %s; submitting a replacement", role, job)
+                events.emit("fault", f"{role} lost {job}; submitting a replacement job", client=self.client,
+                            role=role)
+            for role in sorted({role for role, _ in lost}):
+                self._reconcile(self.config, role)
+        return [job for _, job in lost]
 
     @property
     def timeout(self) -> float:
@@ -351,6 +381,8 @@ class Fleet:
         started (a cluster passed in stays up; a joined scheduler too, less the workers this
         fleet started). Never raises: a scheduler already gone only shortens the work."""
         try:
+            if self._job_watch is not None:
+                self._job_watch.stop()
             self.stop_adapting()
             for address in [] if self.scheduler_lost() else self.addresses("actor"):  # the actor's host's snapshots
                 self.client.run(shutil.rmtree, self.snapshot_dir, True, workers=[address])
@@ -362,3 +394,26 @@ class Fleet:
                 self.cluster.close()
             except Exception as error:  # noqa: BLE001
                 logger.warning("dask-rl: closing the cluster: %s", error)
+
+
+class _Every:
+    """Calls `fn` every `interval` seconds in a daemon thread until stopped; an error is
+    logged and the next call goes on (a scheduler briefly busy must not end the watch)."""
+
+    def __init__(self, interval: float, fn: Callable[[], Any], name: str):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval, fn), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float, fn: Callable[[], Any]) -> None:
+        while not self._stop.wait(interval):
+            try:
+                fn()
+            except Exception as error:  # noqa: BLE001 - logged; the watch goes on
+                if not self._stop.is_set():
+                    logger.warning("dask-rl: %s: %r", self._thread.name, error)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()

@@ -3,12 +3,12 @@ and the report of what it changed. The Fleet applies it (fleet.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from pipeline.roles import actor, critic
-from resources.config import ResourceConfig
-from resources.validate import with_changes
+from resources.config import ResourceConfig, RoleSpec
+from resources.validate import with_changes, with_role
 
 # The roles whose state lives in a process group: a resize exports it first (these tasks).
 TRAINABLE_EXPORTS = {"actor": actor.export_state, "critic": critic.export_state}
@@ -23,6 +23,7 @@ class ResourceRequest:
     strategy: str | None = None
     workers: int | None = None
     device_type: str | None = None
+    jobs: int | None = None      # a job-queue role's job count (one worker each)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ def requested_config(config: ResourceConfig, request: ResourceRequest) -> Resour
     """The whole placement after `request`, validated like a fresh file: the arguments are
     written as the role's section of a resource file and go through the file's checks (types,
     ranges, limits), so a wrong one is one error naming the key, the value and the fix."""
+    role = request.component if isinstance(request.component, str) and request.component in config.roles else None
+    if role is not None and config.role(role).job_queue is not None:  # a job count: the queue gives devices
+        return with_role(config, _requested_jobs(config.role(role), request))
     return with_changes(config, {request.component: requested_settings(config, request)}, source="update_resource")
 
 
@@ -66,6 +70,9 @@ def requested_settings(config: ResourceConfig, request: ResourceRequest) -> dict
     if not isinstance(component, str) or component not in config.roles:
         raise ValueError(f"update_resource: unknown component {component!r}. Fix: use one of {sorted(config.roles)}.")
     current = config.role(component)
+    if request.jobs is not None:
+        raise ValueError(f"update_resource: jobs= is for a role on a job queue; {component} runs on local "
+                         f"{'GPUs: give device_ids' if current.device_type == 'cuda' else 'CPU workers: give workers'}")
     kind = current.device_type if device_type is None else device_type
     if not isinstance(kind, str) or kind not in ("cuda", "cpu"):
         raise ValueError(f"update_resource: device_type={device_type!r}. Fix: use 'cuda' or 'cpu'.")
@@ -95,3 +102,19 @@ def requested_settings(config: ResourceConfig, request: ResourceRequest) -> dict
     if current.vllm_args:
         settings["vllm_args"] = current.vllm_kwargs
     return settings
+
+
+def _requested_jobs(current: RoleSpec, request: ResourceRequest) -> RoleSpec:
+    """A job-queue role changes its number of jobs (jobs=, or workers= which means the same)."""
+    component = request.component
+    if request.device_ids or request.device_type:
+        raise ValueError(f"update_resource: {component} runs as batch jobs, whose devices the queue gives. Fix: "
+                         f"give jobs=N (one worker per job), or change its section of the resource file")
+    if request.jobs is not None and request.workers is not None and request.jobs != request.workers:
+        raise ValueError(f"update_resource: jobs={request.jobs} and workers={request.workers} disagree for "
+                         f"{component} (one worker per job). Fix: give only jobs=N")
+    count = next((n for n in (request.jobs, request.workers) if n is not None), current.workers)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"update_resource: jobs={count!r} for {component}. Fix: give jobs=1 or more: removing the "
+                         f"last {component} worker would stop the training")
+    return replace(current, workers=count, strategy=request.strategy or current.strategy)

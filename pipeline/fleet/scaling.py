@@ -27,13 +27,18 @@ def start_adaptive(fleet, bounds, *, interval: float, wait_count: int, **policy:
     for role in bounds:
         if role not in scalable:
             raise ValueError(f"adapt: {role!r} cannot be scaled on its own here. Fix: bound one of {scalable}")
+    # A role on a job queue is a pool of its own whose spare is the queue: it grows by
+    # submitting a job (up to its max) and shrinks by giving an idle one back.
+    queues = {role: f"{role} job queue" for role in bounds if config.role(role).job_queue}
+    pools = {role: queues.get(role, config.role(role).device_type) for role in bounds}
+    spare = {**{pool: 1 for pool in queues.values()}, **policy.pop("spare", {})}
     return RoleAdaptive(
         fleet.client, bounds, interval=interval,
         move=lambda source, target, reason: _decided(fleet, f"move {source} -> {target}", reason, move_one, fleet,
                                                      source, target),
         resize=lambda role, workers, reason: _decided(fleet, f"resize {role} to {workers}", reason, resize_role,
                                                       fleet, role, workers),
-        wait_count=wait_count, pools={role: config.role(role).device_type for role in bounds},
+        wait_count=wait_count, pools=pools, spare=spare, queues=set(queues.values()),
         decisions=fleet.adaptive_decisions, **policy).start()
 
 
@@ -91,7 +96,9 @@ def move_one(fleet, source: str, target: str) -> None:
 
 def resize_role(fleet, role: str, workers: int) -> None:
     spec = fleet.config.role(role)
-    if spec.device_type == "cpu":
+    if spec.job_queue is not None:  # submit a job, or drain one worker and cancel its job
+        fleet.update_resource(ResourceRequest(role, jobs=workers))
+    elif spec.device_type == "cpu":
         fleet.update_resource(ResourceRequest(role, workers=workers))
     elif workers <= len(spec.device_ids):
         fleet.update_resource(ResourceRequest(role, device_ids=list(spec.device_ids[:workers])))
