@@ -159,9 +159,8 @@ class HybridTrainer:
                         self.save_checkpoint()
                     if self.stop_requested:
                         break
-            if self.evaluation is not None:  # the last evaluation's figures, written on their own line
-                for figures in self.evaluation.finished(wait=True):
-                    self.outputs.log_evaluation(figures)
+            if self.evaluation is not None:  # the final weights when due, and every figure still out
+                self._evaluate_last()
         finally:
             self.stop_adapting()
         return self.history[done:]
@@ -239,6 +238,15 @@ class HybridTrainer:
         for figures in earlier:  # two finished within one step: the older on a line of its own
             self.outputs.log_evaluation(figures)
         return last
+
+    def _evaluate_last(self) -> None:
+        """After the last step: evaluate the final weights when an evaluation is due at this step
+        count, and write the figures of every evaluation still running, each on its own line."""
+        steps_done = self.first_step + len(self.history)
+        if self.history and self.evaluation.due(steps_done, first=False):
+            self.evaluation.submit(steps_done, self.version, self.weights)
+        for figures in self.evaluation.finished(wait=True):
+            self.outputs.log_evaluation(figures)
 
     def _screen(self) -> SampleScreen:
         """This step's rules for bad samples; every rank of the update needs a row of each mini-batch."""

@@ -63,6 +63,6 @@ def test_the_gsm8k_example_trains_and_evaluates_on_cpu(tmp_path):
     assert len(steps) == 4
     assert all("rewards/gsm8k_accuracy/mean" in line and "rewards/soft_overlong_penalty/mean" in line for line in steps)
     evaluated = sorted(int(line["eval/step"]) for line in lines if "eval/accuracy" in line)
-    assert evaluated == [0, 2]   # eval_before_train, then every 2 steps
+    assert evaluated == [0, 2, 4]   # eval_before_train, every 2 steps, and the final weights
     samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert all(s["fields"]["answer"] in {"7", "24", "1000", "4", "12", "5"} for s in samples)

@@ -205,8 +205,8 @@ def test_chat_rows_train_with_answers_and_evaluation_runs_while_async_training_g
         assert line["reward"] == pytest.approx(line["rewards/first_digit_is_answer/mean"] + 0.2, abs=1e-6)
         assert record.rewards["first_digit_is_answer"]["mean"] == line["rewards/first_digit_is_answer/mean"]
     evaluations = [line for line in lines if "eval/accuracy" in line]
-    # Before training (step 0) and after 2 steps; training did not wait for either to finish.
-    assert sorted(int(line["eval/step"]) for line in evaluations) == [0, 2]
+    # Before training (step 0), after 2 steps, and the final weights (4); training did not wait for them.
+    assert sorted(int(line["eval/step"]) for line in evaluations) == [0, 2, 4]
     for line in evaluations:
         assert line["eval/samples"] == 8 and 0 <= line["eval/pass@1"] <= line["eval/pass@2"] <= 1
         assert line["eval/rewards/answers_seen/mean"] == pytest.approx(0.1)
