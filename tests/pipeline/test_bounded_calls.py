@@ -189,7 +189,8 @@ def test_closing_leaves_no_child_process():
     assert len(pids) == 2 and all(running(p) for p in pids)
     calls.close()
     calls.close()   # twice is harmless
-    assert not any(exists(p) for p in pids) and multiprocessing.active_children() == []
+    # Only its own children: other tests of this process may have started workers.
+    assert not any(exists(p) for p in pids) and not [c for c in multiprocessing.active_children() if c.pid in pids]
     with pytest.raises(RuntimeError, match="after close"):
         calls.run(nap, no_args(0))
 
@@ -333,7 +334,8 @@ def scores_in_a_worker(calls: list) -> dict:
         pids += bounded.child_pids()
     return {"scores": scores, "started": started, "took": took, "hang": hang, "alarm": alarm,
             "main_thread": threading.current_thread() is threading.main_thread(),
-            "left": [p for p in pids if exists(p)] + [c.pid for c in multiprocessing.active_children()]}
+            # Only these calls' children: the worker may hold a reward role's own.
+            "left": [p for p in pids if exists(p)]}
 
 
 def test_bounded_calls_in_a_dask_worker_task_thread(shared_cluster, measured):
