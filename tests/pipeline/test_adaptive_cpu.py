@@ -43,6 +43,7 @@ def _count(cluster, role):
     return len(cluster.workers_of(role))
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow suite (CI runs it) keeps the default one short
 def test_train_starts_and_stops_adaptation_from_the_file(adaptive_cluster, tiny_model, prompts):
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             cluster=adaptive_cluster, steps=1, **{**ROLLOUT_BOUND, "max_new_tokens": 4})

@@ -80,6 +80,7 @@ def test_entropy_coef_changes_the_update_and_zero_keeps_it(tiny_model, tmp_path)
     assert any(not torch.equal(bonus[name], plain[name]) for name in plain)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow suite (CI runs it) keeps the default one short
 def test_two_ranks_equal_one_with_every_option(shared_cluster, tiny_model, tmp_path):
     """The real ddp group of the shared cluster: rank shards and global counts."""
     experience, mini_batches = _experience(tiny_model), 2

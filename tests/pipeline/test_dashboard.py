@@ -291,6 +291,10 @@ def test_metrics_export_the_runs_figures_labelled_by_role(watched_run):
         assert value("role_tokens_per_second", role=role) > 0
     assert value("role_workers", role="actor") == 2 and value("role_workers", role="rollout") == 2
     assert value("worker_memory_bytes", role="reward", worker="reward-0") > 10 * 2**20
+    assert last.rewards  # each reward's figures, labelled by its name
+    for name, stats in last.rewards.items():
+        assert value("rewards_mean", name=name) == pytest.approx(stats["mean"])
+        assert value("rewards_std", name=name) == pytest.approx(stats["std"])
 
 
 def test_the_scheduler_holds_the_runs_steps_samples_and_workers(watched_run, prompts):
@@ -366,6 +370,7 @@ def test_decode_samples_decodes_prompt_and_response_without_padding(tiny_model):
     assert [s["row"] for s in events.decode_samples(tokenizer, rollout, torch.tensor([1.0, 0.0]), n=1)] == [0]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow suite (CI runs it) keeps the default one short
 def test_the_scheduler_dashboard_and_workers_listen_on_localhost_only(shared_cluster):
     """The default: nothing of the cluster is reachable from other machines."""
     client = shared_cluster.client

@@ -46,6 +46,7 @@ def _names(cluster, role):
     return [w["name"] for w in cluster.workers_of(role)]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow suite (CI runs it) keeps the default one short
 def test_bad_requests_change_nothing(elastic_cluster, tiny_model, prompts):
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             cluster=elastic_cluster, steps=1, **GRPO)
@@ -94,6 +95,7 @@ def test_rollout_grows_and_shrinks_while_training_runs(elastic_cluster, tiny_mod
     assert trainer.resources.role("rollout").workers == 1
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow suite (CI runs it) keeps the default one short
 def test_actor_resize_keeps_the_update_it_would_have_made(elastic_cluster, tiny_model, prompts, tmp_path):
     """2 ranks -> step -> resize to 1 -> step must equal 1 rank for both steps: the model and
     the optimizer state cross the resize intact (data-parallel updates are world-size free)."""

@@ -213,3 +213,22 @@ def test_chat_rows_train_with_answers_and_evaluation_runs_while_async_training_g
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["fields"]["tag"] == f"t{s['fields']['answer']}" and set(s["rewards"]) ==
                            {"first_digit_is_answer", "answers_seen"} for s in samples)
+
+
+def test_a_reward_model_among_reward_functions_is_one_weighted_reward(chat_model, tmp_path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = build_char_tokenizer(chat=True)
+    torch.manual_seed(3)
+    scorer = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=0))
+    scorer.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    role = RewardRole(chat_model, rewards=[RewardSpec("first_digit_is_answer", 1.0, function=first_digit_is_answer),
+                                           RewardSpec("reward_model", 0.5, model_dir=str(tmp_path / "rm"))])
+    rollout = _rollout(role.tokenizer, [0, 0], ["7", "3"])
+    scores = role.score(rollout, RewardInputs({0: "x"}, {0: {"answer": "7"}}))
+    model_scores = scores.components["reward_model"]
+    assert model_scores.isfinite().all()
+    torch.testing.assert_close(scores.values, torch.tensor([1.0, 0.0]) + 0.5 * model_scores)
