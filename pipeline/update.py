@@ -15,6 +15,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.fleet import Fleet
+from pipeline.fleet.tasks import WorkerLost
 from pipeline.metrics import normalise_update_stats, sum_stats
 from pipeline.records import Experience, rank_shards
 from pipeline.schedules import lr_factor
@@ -51,13 +52,17 @@ class PolicyUpdate:
                 self.fleet.free_survivors(error.role)
                 self.fleet.await_replacements(error.role)
             except Exception as error:
-                lost = self._lost_roles()
+                # A member that died as its group formed was never a member the fleet lists.
+                forming = [error.role] if isinstance(error, WorkerLost) and error.role else []
+                lost = self._lost_roles() or forming
                 if redone_loss or not lost:
                     raise
                 redone_loss = True
                 logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
                 for role in lost:
                     self.fleet.free_survivors(role)
+                for role in forming:  # not among _lost_roles(): wait for its replacement here
+                    self.fleet.await_replacements(role)
 
     def _cap_micro_batches(self, error: GroupOutOfMemory) -> None:
         """Halve `error.role`'s micro-batches below the size that failed (bounded: one row

@@ -173,7 +173,7 @@ class Fleet:
                 raise
             # As a lost rank: the update's redo waits for its replacement and forms the group anew.
             raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster while its process group "
-                             f"formed") from error
+                             f"formed", role=role) from error
 
     def _departed(self, role: str, workers: list[str], grace: float = 30.0) -> list[str]:
         """Those of `workers` the scheduler no longer lists, waiting (bounded) for it to notice

@@ -24,7 +24,12 @@ class RoleTimeout(TimeoutError):
 
 class WorkerLost(RuntimeError):
     """A task pinned to one worker (a rank of a process group) lost that worker: it would
-    wait forever for it, so the wait ends as soon as the worker is gone."""
+    wait forever for it, so the wait ends as soon as the worker is gone. `role`, where known,
+    is the role whose group lost it."""
+
+    def __init__(self, message: str, role: str | None = None):
+        super().__init__(message)
+        self.role = role
 
 
 class SchedulerLost(ConnectionError):
