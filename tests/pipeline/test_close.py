@@ -68,5 +68,21 @@ def test_closing_a_run_that_started_its_cluster_logs_no_error_and_prints_no_trac
     printed = capfd.readouterr()
     assert (tmp_path / "actor" / "config.json").is_file()  # the close did its work
     assert errors.lines == []
-    # The worker processes write to the same stderr: a traceback of theirs shows here.
-    assert "Traceback" not in printed.err + printed.out and " ERROR " not in printed.err, printed.err[-3000:]
+    # The worker processes write to the same stderr: a traceback of theirs shows here. One
+    # race is Dask's own, not the close's: a worker's heartbeat that was already on its way
+    # when the scheduler closed logs "Failed to communicate with scheduler during heartbeat"
+    # (seen once on a loaded machine); the bokeh failure this test is for is not that.
+    err = _without_heartbeat_race(printed.err)
+    assert "Traceback" not in err + printed.out and " ERROR " not in err, printed.err[-3000:]
+
+
+def _without_heartbeat_race(err: str) -> str:
+    """stderr less a worker's log record of a heartbeat that met the closing scheduler (the
+    record and its traceback run up to the next log line)."""
+    kept, skipping = [], False
+    for line in err.splitlines():
+        if " - distributed." in line and " - " in line:   # a new log record starts
+            skipping = "Failed to communicate with scheduler during heartbeat" in line
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
