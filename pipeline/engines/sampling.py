@@ -1,4 +1,5 @@
-"""Sampling filters shared by the engines (top-k, top-p, min-p) and the stop-string search.
+"""Sampling shared by the engines: the captured engine's sampler, the filters (top-k, top-p,
+min-p) and the stop-string search.
 
 The filters act on the temperature-scaled logits, in vLLM's order: min-p, then top-k, then
 top-p on what is left, renormalised. They only choose which tokens can be sampled: every
@@ -41,6 +42,25 @@ def filter_logits(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         drop = (cumsum_in_blocks(probs) - probs) > top_p
         scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     return scaled
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) logits -> (B,) sampled tokens and (B,) their float32 logprobs.
+
+    Tokens are sampled from log_softmax(logits / temperature) after the top-k / top-p /
+    min-p filters (engines/sampling.py). The logprob returned is the unfiltered
+    log_softmax(logits / temperature) of the sampled token: what the actor's loss
+    evaluates, so on-policy ratios start at exactly 1 whatever the filters.
+    Sampling is an exponential race (argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
+    probability p_i): one pass over the (filtered) logits, and it runs inside a CUDA graph.
+    """
+    scaled = logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    allowed = filter_logits(scaled, top_k, top_p, min_p) if filters_active(top_k, top_p, min_p) else scaled
+    race = allowed - torch.empty_like(logp).exponential_().log()  # a shift of `allowed` picks the same
+    tokens = race.argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def cumsum_in_blocks(values: torch.Tensor, block: int = 256) -> torch.Tensor:

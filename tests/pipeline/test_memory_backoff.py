@@ -101,8 +101,8 @@ def _consistent(model, rollout):
                 "local: generation: 6 -> 3 sequences per batch (out of memory: test model: 6 rows > 4)",
                 "local: rollout logprobs: 16 -> 8 rows per chunk (out of memory: test model: 12 rows > 4)",
                 "local: rollout logprobs: 8 -> 4 rows per chunk (out of memory: test model: 8 rows > 4)"]),
-    # cuda_graph: the bucket of 16 (12 rows + filler) fails, then 8; 4 fits (a power of two).
-    (CudaGraphEngine, ["local: generation: 16 -> 8 sequences per batch (out of memory: test model: 16 rows > 4)",
+    # cuda_graph: 16 slots (the 12 prompts prefilled together) fail, then 8; 4 fit (a power of two).
+    (CudaGraphEngine, ["local: generation: 16 -> 8 sequences per batch (out of memory: test model: 12 rows > 4)",
                        "local: generation: 8 -> 4 sequences per batch (out of memory: test model: 8 rows > 4)"]),
 ])
 def test_engines_split_the_generation_batch_on_out_of_memory(engine_cls, expected, model_and_tokenizer):
@@ -152,7 +152,7 @@ def test_cuda_graph_batch_follows_the_free_memory_read_before_each_request(model
     seen = len(allocator.reported())
     engine.generate(request, 0)
     assert engine.batch == 16 and _new_reports(seen) == []              # room for all 16
-    free["bytes"] = int(5 * per_sequence) - sum(engine._cache_bytes.values())   # another process took memory
+    free["bytes"] = int(5 * per_sequence) - sum(c.nbytes for c in engine._caches.values())   # another process took memory
     rollout = engine.generate(request, 0)
     assert engine.batch == 4 and len(rollout) == 16                     # 0.85 * 5 = 4.25 -> 4
     _consistent(model, rollout)

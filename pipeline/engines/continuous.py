@@ -1,0 +1,190 @@
+"""One generation request through the cuda_graph engine's decode slots (continuous batching).
+
+The request's N sequences wait in a queue; S slots (S <= N, a power of two) decode one token
+each per step. A slot whose sequence ended (a stop id, a stop string, max_new_tokens) takes
+the next waiting sequence: its prompt is prefilled, together with the other sequences that
+start at the same time, straight into the slot cache (slots.py). Once the queue is empty and
+at most a quarter of the slots are still live, the live ones move into a cache of fewer
+slots, so the long tail of a request decodes at a smaller batch.
+
+The loop talks to the GPU without waiting for it, except every EOS_CHECK_EVERY steps (and
+every step on a CPU, where waiting costs nothing): there it learns which slots are free,
+checks stop strings, and refills, shrinks or ends. A slot whose sequence ended in between
+keeps decoding into a sink row until then; those steps are the slot use this reports.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from pipeline.engines.hf import left_pad, stop_ids_of
+from pipeline.engines.sampling import sample_tokens, stop_string_end
+from pipeline.engines.slots import SlotCache
+from pipeline.records import GenerationRequest
+
+# Decode steps between two looks at the device (each is a device-to-host sync): 8 steps of
+# overshoot after a sequence ends cost less than a sync every step.
+EOS_CHECK_EVERY = 8
+# A free slot waits until this share of the slots is free, so one prefill serves several.
+REFILL_SHARE = 16
+
+
+def bucket_batch(rows: int) -> int:
+    """Rows rounded up to a power of two (at least 8): few distinct graph shapes."""
+    return 1 << max(3, (max(rows, 1) - 1).bit_length())
+
+
+class SlotRun:
+    """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
+
+    `engine` provides: model, device, pad_id, eos_id, decode (ids -> text), compiled,
+    `_decode(token, position_ids, column, mask, cache, temperature, top_k, top_p, min_p)`
+    (one decode step, maybe captured) and `_cache(slots, length)` (a SlotCache).
+    """
+
+    def __init__(self, engine, prompts: list[list[int]], width: int, request: GenerationRequest, slots: int):
+        self.engine, self.prompts, self.width, self.request = engine, prompts, width, request
+        self.max_new = request.max_new_tokens
+        self.filters = (request.top_k, request.top_p, request.min_p)
+        # A slot's window (its prompt's bucket and its response) never exceeds the ring.
+        self.length = width + self.max_new
+        device = self.device = engine.device
+        self.sink = len(prompts)   # the output row of empty and finished slots
+        self.tokens = torch.full((self.sink + 1, self.max_new), engine.pad_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((self.sink + 1, self.max_new), dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(self.sink + 1, dtype=torch.long, device=device)
+        self.stop_ids = torch.tensor(stop_ids_of(request, engine.eos_id), dtype=torch.long, device=device)
+        self.columns = torch.arange(self.length, device=device)
+        self.column = 0            # the ring column the next decode step writes (a host int: no sync)
+        self.queue = deque(range(len(prompts)))
+        self.check_every = EOS_CHECK_EVERY if torch.device(device).type == "cuda" else 1
+        self.stats = {"slots": slots, "decode_steps": 0, "slot_steps": 0}
+        self._start(slots)
+
+    def _start(self, slots: int) -> None:
+        self.cache = self.engine._cache(slots, self.length)
+        device = self.device
+        self.sequence = torch.full((slots,), self.sink, dtype=torch.long, device=device)  # what each slot holds
+        self.generated = torch.zeros(slots, dtype=torch.long, device=device)            # its tokens so far
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.position = torch.zeros((slots, 1), dtype=torch.long, device=device)        # rotary position fed next
+        self.mask = torch.zeros((slots, 1, 1, self.length), dtype=torch.bool, device=device)
+        self.token = torch.zeros(slots, dtype=torch.long, device=device)                # sampled, not yet recorded
+        self.logprob = torch.zeros(slots, dtype=torch.float32, device=device)
+        self._refill(list(range(slots)))
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        steps = 0
+        while True:   # the prefill recorded each sequence's first token
+            self.stats["slot_steps"] += self.cache.slots
+            self._decode()
+            self._record()
+            steps += 1
+            if steps % self.check_every == 0 and not self._schedule():
+                break
+        self.stats["decode_steps"] = steps
+        lengths = self.lengths[:self.sink].cpu()
+        self.stats["tokens"] = int(lengths.sum())
+        self.stats["slot_use"] = self.stats["tokens"] / max(self.stats["slot_steps"] + self.stats["slots"], 1)
+        width = max(1, int(lengths.max()))
+        return self.tokens[:self.sink, :width].cpu(), self.logprobs[:self.sink, :width].cpu()
+
+    def _record(self) -> None:
+        """Write each live slot's token of the last decode step into its sequence's row; end
+        the slots that sampled a stop id or reached max_new_tokens."""
+        rows = torch.where(self.active, self.sequence, self.sink)
+        columns = self.generated.clamp(max=self.max_new - 1)
+        self.tokens[rows, columns] = self.token
+        self.logprobs[rows, columns] = self.logprob
+        self.generated += self.active
+        self.lengths[rows] = self.generated
+        self.active &= ~(torch.isin(self.token, self.stop_ids) | (self.generated >= self.max_new))
+
+    def _decode(self) -> None:
+        self.mask[:, 0, 0, self.column] = True
+        if self.engine.compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        token, logprob = self.engine._decode(self.token[:, None], self.position,
+                                             self.columns[self.column:self.column + 1], self.mask, self.cache,
+                                             self.request.temperature, *self.filters)
+        self.token.copy_(token)
+        self.logprob.copy_(logprob)
+        self.position += 1
+        self.column = (self.column + 1) % self.length
+
+    def _schedule(self) -> bool:
+        """At a sync point: end rows at stop strings, refill free slots from the queue, or
+        move the live rows into fewer slots once the queue is empty. False: all done."""
+        if self.request.stop_strings:
+            self._end_at_stop_strings()
+        active = self.active.cpu()
+        free = (~active).nonzero().flatten().tolist()
+        live, slots = len(active) - len(free), len(active)
+        if self.queue:
+            if len(free) >= max(1, slots // REFILL_SHARE) or live == 0:
+                self._refill(free)
+            return True
+        if live == 0:
+            return False
+        if bucket_batch(live) <= slots // 4:
+            self._shrink(active)
+        return True
+
+    def _refill(self, free: list[int]) -> None:
+        """Prefill the next waiting sequences into the slots `free` (as many as wait), in the
+        ring columns just before the next decode step's column."""
+        count = min(len(free), len(self.queue))
+        if count == 0:
+            return
+        waiting = [self.queue.popleft() for _ in range(count)]
+        rows = torch.tensor(free[:count], device=self.device)
+        ids, prompt_mask = left_pad([self.prompts[i] for i in waiting], self.engine.pad_id, width=self.width)
+        ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
+        columns = (torch.arange(self.width, device=self.device) + self.column - self.width) % self.length
+        logits = self.engine.model(input_ids=ids, attention_mask=prompt_mask,
+                                   position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
+                                   logits_to_keep=1, slot_cache=self.cache, slot_rows=rows,
+                                   slot_columns=columns).logits[:, -1]
+        token, logprob = sample_tokens(logits, self.request.temperature, *self.filters)
+        sequences = torch.tensor(waiting, device=self.device)
+        self.tokens[sequences, 0], self.logprobs[sequences, 0], self.lengths[sequences] = token, logprob, 1
+        self.token[rows], self.sequence[rows], self.generated[rows] = token, sequences, 1
+        self.active[rows] = ~torch.isin(token, self.stop_ids) & (self.max_new > 1)
+        self.mask[rows] = False
+        self.mask[rows[:, None], 0, 0, columns[None, :]] = prompt_mask.bool()
+        self.position[rows, 0] = prompt_mask.sum(-1)
+
+    def _shrink(self, active: torch.Tensor) -> None:
+        """Move the live slots (and enough empty ones to fill a power of two) into a cache
+        of fewer slots: the tail of the request decodes at a smaller batch."""
+        live = active.nonzero().flatten().tolist()
+        slots = bucket_batch(len(live))
+        empty = (~active).nonzero().flatten().tolist()[:slots - len(live)]
+        rows = torch.tensor(live + empty, device=self.device)
+        smaller = self.engine._cache(slots, self.length)
+        smaller.take_rows(self.cache, rows)
+        self.cache = smaller
+        for name in ("sequence", "generated", "active", "position", "mask", "token", "logprob"):
+            setattr(self, name, getattr(self, name)[rows])
+
+    def _end_at_stop_strings(self) -> None:
+        """End the live slots whose text now holds a stop string.
+
+        Only the tokens since the last check can complete one, so a tail window is decoded
+        (the last EOS_CHECK_EVERY tokens plus as many before them as the longest string has
+        characters, and two spare for a character split across tokens); a hit is confirmed
+        on the whole row with the function assemble_rollout cuts with, so both agree."""
+        stop_strings, decode = self.request.stop_strings, self.engine.decode
+        slots = self.active.cpu().nonzero().flatten().tolist()
+        if not slots:
+            return
+        index = torch.tensor(slots, device=self.device)
+        rows, generated = self.tokens[self.sequence[index]].cpu(), self.generated[index].cpu().tolist()
+        window = EOS_CHECK_EVERY + max(len(s) for s in stop_strings) + 2
+        ended = [slot for slot, row, count in zip(slots, rows, generated)
+                 if any(s in decode(row[max(0, count - window):count].tolist()) for s in stop_strings)
+                 and stop_string_end(row[:count].tolist(), decode, stop_strings) >= 0]
+        if ended:
+            self.active[torch.tensor(ended, device=self.device)] = False

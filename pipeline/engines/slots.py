@@ -1,0 +1,96 @@
+"""A KV cache of decode slots, for continuous batching in the cuda_graph engine.
+
+A static batch decodes until its longest row ends: on long-tailed response lengths most
+decode slots hold finished rows most of the time. Here each of S slots holds one sequence,
+and a slot whose sequence ended takes the next waiting one. What makes that cheap:
+
+- every slot writes its new token's key and value into the same column of a ring of L
+  columns (the column of the step, modulo L), so a decode step is one shape whatever the
+  slots hold, and is captured once as a CUDA graph;
+- which columns a slot attends to is a (S, 1, 1, L) boolean mask kept on the device: a new
+  sequence's prompt is written into the L columns just before the current one, its mask row
+  reset to them; rotary positions come per slot (position ids), not from the column;
+- a window (prompt bucket + max_new_tokens) never exceeds L, so the ring never overwrites a
+  column a live sequence still attends to.
+
+The cache is this module's own tensors, reached by the model's attention through the
+`slot_cache` keyword (transformers passes a forward's extra keywords on to its attention
+function): the engine does not depend on how a transformers version lays out its caches.
+Attention for one new token reads the cache as stored (gqa_decode's packed form).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.engines.budget import kv_bytes_per_token
+from pipeline.engines.gqa_decode import packed_gqa_attention
+
+NAME = "dask_rl_slots"
+
+
+class SlotCache:
+    """Keys and values of `slots` sequences over a ring of `length` columns: per layer
+    (slots, kv_heads, length, head_dim) tensors, allocated once and written in place (the
+    captured graphs keep pointing at them)."""
+
+    def __init__(self, config, slots: int, length: int, dtype: torch.dtype, device):
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        shape = (slots, kv_heads, length, head_dim)
+        self.slots, self.length = slots, length
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
+        self.nbytes = kv_bytes_per_token(config, dtype) * slots * length
+        if torch.device(device).type == "cuda":
+            for tensor in (*self.keys, *self.values):   # mutated inside captured graphs
+                torch._dynamo.mark_static_address(tensor)
+
+    def take_rows(self, source: "SlotCache", rows: torch.Tensor) -> None:
+        """Copy `source`'s slots `rows` (one index per slot of this cache) into this cache."""
+        for mine, theirs in zip((*self.keys, *self.values), (*source.keys, *source.values)):
+            torch.index_select(theirs, 0, rows, out=mine)
+
+
+def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   slot_cache: SlotCache | None = None, slot_rows: torch.Tensor | None = None,
+                   slot_columns: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract, plus the slot cache's keywords.
+
+    - decode (slot_rows None): query/key/value (S, H or H_kv, 1, D) of every slot; the new
+      key and value go into column `slot_columns` (1,), then the query attends to the whole
+      ring under `attention_mask` (S, 1, 1, L);
+    - prefill (slot_rows (k,)): k new prompts, left-padded to W tokens, are stored in slots
+      `slot_rows` at ring columns `slot_columns` (W,) and attend among themselves as usual;
+    - without a slot cache (a training or scoring forward of the same model): packed
+      grouped-query attention, i.e. transformers' SDPA.
+    """
+    if slot_cache is None:
+        return packed_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    keys, values = slot_cache.keys[module.layer_idx], slot_cache.values[module.layer_idx]
+    if slot_rows is None:
+        keys.index_copy_(2, slot_columns, key)
+        values.index_copy_(2, slot_columns, value)
+        return packed_gqa_attention(module, query, keys, values, attention_mask, scaling=scaling)
+    # (k, H_kv, W, D) -> the (k, W) cells (slot, column), each an (H_kv, D) block.
+    keys[slot_rows[:, None], :, slot_columns[None, :]] = key.transpose(1, 2).to(keys.dtype)
+    values[slot_rows[:, None], :, slot_columns[None, :]] = value.transpose(1, 2).to(values.dtype)
+    return packed_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def use_slot_attention(model) -> None:
+    """Switch `model` to slot_attention (any attention implementation: the decode and
+    prefill maths are SDPA's; models loaded with flash or eager attention compute the same)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if getattr(model.config, "_attn_implementation", None) == NAME:
+        return
+    AttentionInterface.register(NAME, slot_attention)
+    # Prefill builds SDPA's masks (causal and padding); decode passes its own 4-D mask, which
+    # transformers hands over as it is.
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(NAME)
