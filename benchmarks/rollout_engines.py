@@ -8,11 +8,20 @@ logprobs are from the actor's training forward on the same tokens.
 Prints one line per engine and batch: seconds, completion tokens/s, ms per decode step,
 peak GPU memory of this process. EOS is disabled for the timing (a random model would end
 sequences at random), so every row generates exactly --new-tokens tokens.
+
+Long-tailed lengths (continuous batching): `--long-tail 0.004 0.0075` times the cuda_graph
+engine on responses that end with that probability at every token (geometric lengths, mean
+~1/p, cut at --new-tokens), after a full-length run of the same shape, and prints decode
+steps, mean length, useful tokens/s, and the share of decode slots that held a live row:
+
+    python benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 --long-tail 0.004 0.0075 --skip-generate
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -21,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import save_qwen2_05b  # noqa: E402
+from shapes import end_with_probability, mean_geometric_length, save_qwen2_05b  # noqa: E402
 
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm  # noqa: E402
@@ -67,6 +76,45 @@ def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None
     report("dask-rl cuda_graph engine", batch, timed(lambda: engine.generate(req, 0), repeats), new)
 
 
+def bench_long_tail(model, batch: int, prompt: int, new: int, probabilities: list[float], repeats: int) -> list:
+    """Useful tokens/s of the cuda_graph engine at full length and at each end probability."""
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=batch)
+    rows = []
+    for probability in [0.0, *probabilities]:
+        hook = end_with_probability(model, 1, probability) if probability else None
+        req = request(batch, prompt, new, seed=2)
+        try:
+            engine.generate(req, 0)   # compiles the graphs of this shape (and its smaller slot counts)
+            times, stats, tokens = [], [], []
+            for repeat in range(repeats):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                rollout = engine.generate(request(batch, prompt, new, seed=3 + repeat), 0)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                stats.append(dict(engine.last_stats))
+                tokens.append(int(rollout.response_mask.sum()))
+        finally:
+            if hook is not None:
+                hook.remove()
+        seconds, useful = sum(times), sum(tokens)
+        row = {"end_probability": probability, "batch": batch, "max_new_tokens": new,
+               "expected_mean_length": mean_geometric_length(probability, new) if probability else new,
+               "mean_length": useful / (batch * repeats), "decode_steps": statistics.mean(s["decode_steps"] for s in stats),
+               "seconds": seconds / repeats, "useful_tokens_per_second": useful / seconds,
+               "slot_use": statistics.mean(s["slot_use"] for s in stats)}
+        rows.append(row)
+        print(f"cuda_graph batch {batch}, end probability {probability:<6}: mean length {row['mean_length']:6.1f} "
+              f"(expected {row['expected_mean_length']:.0f}), {row['decode_steps']:6.0f} decode steps, "
+              f"{row['seconds']:5.2f} s, {row['useful_tokens_per_second']:>8,.0f} useful tokens/s, "
+              f"slot use {row['slot_use']:.2f}", flush=True)
+    full = rows[0]["useful_tokens_per_second"]
+    for row in rows[1:]:
+        print(f"  end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x below the "
+              f"full-length rate", flush=True)
+    return rows
+
+
 def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:
     model.set_attn_implementation("sdpa")   # transformers' own attention, as `generate` users get it
     ids = torch.tensor(request(batch, prompt, new).prompt_ids, device="cuda")
@@ -102,10 +150,19 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-generate", action="store_true", help="time the cuda_graph engine only")
+    parser.add_argument("--long-tail", type=float, nargs="*", default=[],
+                        help="end probabilities per token for the long-tail runs (none: skip them)")
+    parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     args = parser.parse_args(argv)
     model = load_causal_lm(save_qwen2_05b(args.model_dir), device="cuda", dtype=torch.bfloat16).eval()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.long_tail:
+        rows = [row for batch in args.batches
+                for row in bench_long_tail(model, batch, args.prompt, args.new_tokens, args.long_tail, args.repeats)]
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     for batch in args.batches:
         bench_engine(model, batch, args.prompt, args.new_tokens, args.repeats)
     logprob_agreement(model)

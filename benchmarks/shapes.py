@@ -53,3 +53,29 @@ def word_prompts(count: int, words: int, seed: int = 0) -> list[str]:
 
     rng = random.Random(seed)
     return [" ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(words)) for _ in range(count)]
+
+
+def end_with_probability(model, eos_id: int, probability: float):
+    """Make `model` end a response with `probability` at every token, whatever it would have
+    said: its EOS logit becomes the log-sum-exp of all logits plus logit(probability), so
+    response lengths are geometric (mean ~1/probability, cut at max_new_tokens), the
+    long-tailed shape of reasoning tasks. A forward hook on the output embedding (returns
+    the hook's handle); generation and training forwards see the same distribution."""
+    import math
+
+    import torch
+
+    shift = math.log(probability / (1 - probability))
+
+    def hook(module, args, logits):
+        target = logits.float().logsumexp(-1, keepdim=True).detach() + shift
+        eos = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        eos[eos_id] = 1
+        return logits + eos * (target.to(logits.dtype) - logits[..., eos_id:eos_id + 1])
+
+    return model.get_output_embeddings().register_forward_hook(hook)
+
+
+def mean_geometric_length(probability: float, cap: int) -> float:
+    """Expected response length when each token ends it with `probability`, cut at `cap`."""
+    return (1 - (1 - probability) ** cap) / probability

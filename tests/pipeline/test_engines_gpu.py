@@ -106,3 +106,37 @@ def test_graph_loop_stops_at_any_stop_id_and_string_and_reports_unfiltered_logpr
         endings.append("id" if kept[-1] in (1, 5, 7) else "string" if decode(kept).endswith("q") else "clipped")
         assert bool(rollout.clipped[row]) == (endings[-1] == "clipped") and (endings[-1] != "clipped" or n == 64)
     assert {"id", "string"} <= set(endings), endings
+
+
+def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(model):
+    """256 sequences through 64 captured slots on geometric lengths (each token ends a
+    response with probability 0.03, cut at 256): slots refill from the queue, the tail moves
+    into fewer slots, and the logprobs stay as close to the actor's as a static batch's."""
+    import torch._dynamo.utils
+
+    eos = torch.zeros(32000, device="cuda", dtype=torch.bfloat16)
+    eos[1] = 1.0
+
+    def end_sometimes(module, args, out):   # EOS logit = logsumexp + logit(0.03): P(EOS) = 0.03
+        target = out.float().logsumexp(-1, keepdim=True) + torch.log(torch.tensor(0.03 / 0.97))
+        return out + eos * (target.to(out.dtype) - out[..., 1:2])
+
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64)
+    hook = model.get_output_embeddings().register_forward_hook(end_sometimes)
+    try:
+        engine.generate(_request(batch=128, new=256, seed=4), 0)   # compiles
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        rollout = engine.generate(_request(batch=128, new=256, seed=5), 0)
+        diff = _difference(model, rollout)
+    finally:
+        hook.remove()
+    lengths = rollout.response_mask.sum(-1)
+    stats = engine.last_stats
+    print(f"continuous batching: mean length {lengths.mean():.1f}, longest {lengths.max():.0f}, "
+          f"{stats['decode_steps']} decode steps, slot use {stats['slot_use']:.2f}; logprob difference "
+          f"mean {diff.mean():.4f}, max {diff.max():.4f}")
+    assert len(rollout) == 256 and 20 < lengths.float().mean() < 45 and lengths.max() > 120
+    assert diff.mean() < 0.02 and diff.max() < 0.25
+    assert sorted(slots for slots, _ in engine._caches) == [16, 64]   # the tail moved into 16 slots
+    assert stats["slot_use"] > 0.7
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a second request must not recompile"
