@@ -4,11 +4,18 @@ one run on one GPU: steady step time, completion tokens/s, peak GPU memory of al
 
     python benchmarks/grpo_vs_trl.py --prompts-per-step 8            # 8 x 8 samples a step
     python benchmarks/grpo_vs_trl.py --prompts-per-step 32           # batch 256
+    python benchmarks/grpo_vs_trl.py --prompts-per-step 32 --new-tokens 1024 --end-probability 0.005
+
+The last is the long-tail workload: on both sides the model ends a response with
+probability 0.005 at every token (its EOS logit replaced in a hook on the output embedding,
+benchmarks/shapes.py end_with_probability), so lengths are geometric with a mean near 200,
+cut at 1024, as reasoning tasks' are. Useful tokens count the response tokens up to each end.
 
 The work: the Qwen2-0.5B shape with random bf16 weights (benchmarks/shapes.py), prompts of
-128 tokens, 8 samples per prompt, 256 new tokens at temperature 1, KL weight 0, a Python
-reward function. dask-rl: every role on GPU 0 (reward on a CPU worker), the cuda_graph
-rollout engine, max_staleness 1, weight sync "auto" (CUDA IPC here), micro-batches of 16.
+128 tokens, 8 samples per prompt, 256 new tokens (--new-tokens) at temperature 1, KL weight
+0, a Python reward function. dask-rl: every role on GPU 0 (reward on a CPU worker), the
+cuda_graph rollout engine, max_staleness 1, weight sync "auto" (CUDA IPC here),
+micro_batch_size from --micro-batches (default: auto, memory-sized).
 TRL: GRPOTrainer with its defaults (HF generate, gradient checkpointing on) and the same
 batch: micro-batches of 16, one optimizer step per generated batch.
 dask-rl runs first: its driver never opens the GPU, so NVML sees only its workers; TRL
@@ -28,12 +35,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import save_qwen2_05b, word_prompts  # noqa: E402
+from shapes import end_with_probability, save_qwen2_05b, word_prompts  # noqa: E402
 
 SAMPLES = 8
-NEW_TOKENS = 256
 PROMPT_TOKENS = 128
-MICRO_BATCH = 16
+MICRO_BATCH = 16   # TRL's per-device batch
+EOS_ID = 1         # benchmarks/shapes.py's <eos>
 
 
 def even_words(prompt: str, response: str) -> float:
@@ -80,7 +87,33 @@ def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, fl
     return {"step_seconds": statistics.median(s), "tokens_per_second": sum(t) / sum(s)}
 
 
-def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch: int) -> dict[str, float]:
+def end_responses_with_probability(probability: float) -> list[str]:
+    """On a worker: hook the rollout engine's and the actor's model (those it holds)."""
+    from distributed import get_worker
+
+    from pipeline.roles.host import role_state
+
+    hooked, held = [], get_worker().state.total_resources
+    for role, model_of in (("rollout", lambda r: r.engine.model), ("actor", lambda r: r.trainer.model),
+                           ("reference", lambda r: r.model)):
+        if role in held:
+            end_with_probability(model_of(role_state(role)), EOS_ID, probability)
+            hooked.append(role)
+    return hooked
+
+
+def engine_stats() -> dict | None:
+    """On a worker: the rollout engine's figures of its last request (cuda_graph)."""
+    from distributed import get_worker
+
+    from pipeline.roles.host import role_state
+
+    if "rollout" not in get_worker().state.total_resources:
+        return None
+    return dict(getattr(role_state("rollout").engine, "last_stats", {}))
+
+
+def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[str, float]:
     from pipeline import HybridTrainer
     from pipeline.roles.host import load_times
     from resources import load_resource_config
@@ -95,7 +128,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch: int) -> d
         start, start_wall = time.perf_counter(), time.time()
         trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
                                 samples_per_prompt=SAMPLES, prompts_per_step=args.prompts_per_step,
-                                max_new_tokens=NEW_TOKENS, kl_coef=0.0, max_staleness=1, dtype="bfloat16",
+                                max_new_tokens=args.new_tokens, kl_coef=0.0, max_staleness=1, dtype="bfloat16",
                                 micro_batch_size=micro_batch, actor_lr=1e-6, temperature=1.0, show_progress=False,
                                 dashboard_address=":0", output_dir=f"{args.work_dir}/dask-rl-mb{micro_batch}")
         started = time.perf_counter() - start
@@ -118,14 +151,27 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch: int) -> d
                           for role, (began, took) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
+        if args.end_probability:
+            print(f"dask-rl: responses end with probability {args.end_probability} a token on "
+                  f"{client.run(end_responses_with_probability, args.end_probability)}", flush=True)
+        slot_use = []
         try:
-            trainer.train(args.dask_steps, on_step=on_step)
+            def on_step_with_slots(record):
+                on_step(record)
+                slot_use.extend(s["slot_use"] for s in client.run(engine_stats).values() if s and "slot_use" in s)
+
+            trainer.train(args.dask_steps, on_step=on_step_with_slots)
             roles = {w["address"]: role for role in ("actor", "rollout") for w in trainer.fleet.cluster.workers_of(role)}
             torch_memory = {roles.get(address, address): stats for address, stats in
                             client.run(torch_gpu_memory).items() if stats}
         finally:
             trainer.close()
     result = steady(seconds, tokens, args.warmup)
+    result["update_seconds"] = statistics.median(p.get("update", 0.0) for p in phases[args.warmup:])
+    result["rollout_seconds"] = statistics.median(p.get("wait_rollout", 0.0) for p in phases[args.warmup:])
+    result["mean_response_tokens"] = sum(tokens[args.warmup:]) / (len(tokens[args.warmup:])
+                                                                 * args.prompts_per_step * SAMPLES)
+    result["slot_use"] = statistics.mean(slot_use[args.warmup:]) if slot_use[args.warmup:] else None
     pids = {stats["pid"]: role for role, stats in torch_memory.items()}
     for role, stats in sorted(torch_memory.items()):
         print(f"dask-rl {role}: torch peak allocated {stats['max_allocated'] / 2**30:.2f} GiB, peak reserved "
@@ -183,6 +229,7 @@ def run_trl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
     from pipeline.models import load_tokenizer
 
     seconds: list[float] = []
+    lengths: list[float] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -194,23 +241,34 @@ def run_trl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
             seconds.append(time.perf_counter() - self.start)
             print(f"TRL step {len(seconds) - 1}: {seconds[-1]:.2f} s", flush=True)
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
     def reward(prompts, completions, **kwargs):
         return [even_words(p, c) for p, c in zip(prompts, completions)]
 
     batch = args.prompts_per_step * SAMPLES
     config = GRPOConfig(output_dir=args.work_dir + "/trl", per_device_train_batch_size=MICRO_BATCH,
                         gradient_accumulation_steps=batch // MICRO_BATCH, num_generations=SAMPLES,
-                        max_completion_length=NEW_TOKENS, beta=0.0, learning_rate=1e-6, temperature=1.0,
+                        max_completion_length=args.new_tokens, beta=0.0, learning_rate=1e-6, temperature=1.0,
                         max_steps=args.trl_steps, logging_steps=1, report_to="none", save_strategy="no",
                         disable_tqdm=True, seed=0, bf16=True)
     with GpuMemory() as memory:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        if args.end_probability:
+            end_with_probability(model, EOS_ID, args.end_probability)
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                               train_dataset=Dataset.from_dict({"prompt": prompts}),
                               processing_class=load_tokenizer(model_dir), callbacks=[StepTimer()])
         trainer.train()
-    tokens = [batch * NEW_TOKENS] * len(seconds)   # no EOS is sampled in practice: full lengths
-    return {**steady(seconds, tokens, args.warmup_trl), "peak_gib": memory.peak / 2**30}
+    # Useful tokens from TRL's logged mean completion length (a random model never samples
+    # EOS by itself: full lengths without --end-probability).
+    lengths = lengths or [float(args.new_tokens)] * len(seconds)
+    tokens = [batch * length for length in lengths[:len(seconds)]]
+    result = steady(seconds[:len(tokens)], tokens, args.warmup_trl)
+    return {**result, "peak_gib": memory.peak / 2**30,
+            "mean_response_tokens": statistics.mean(lengths[args.warmup_trl:] or lengths)}
 
 
 def main(argv=None) -> int:
@@ -221,8 +279,12 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="dask-rl steps left out (compile, pipeline fill)")
     parser.add_argument("--warmup-trl", type=int, default=1)
     parser.add_argument("--skip-trl", action="store_true")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[MICRO_BATCH],
-                        help="dask-rl's train.micro_batch_size, one run each (TRL keeps 16)")
+    parser.add_argument("--micro-batches", nargs="+", default=["auto"],
+                        type=lambda v: v if v == "auto" else int(v),
+                        help="dask-rl's train.micro_batch_size (rows, or auto), one run each (TRL keeps 16)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens on both sides")
+    parser.add_argument("--end-probability", type=float, default=0.0,
+                        help="each token ends the response with this probability (0: full lengths)")
     parser.add_argument("--logit-chunk", type=int, default=0,
                         help="response tokens the actor projects onto the vocabulary at once (0: the default)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
@@ -232,16 +294,20 @@ def main(argv=None) -> int:
     model_dir = str(save_qwen2_05b(args.model_dir))
     steps = max(args.dask_steps, args.trl_steps) + 1
     prompts = word_prompts(args.prompts_per_step * steps, PROMPT_TOKENS)
-    results = {"dask-rl" if mb == MICRO_BATCH else f"dask-rl, micro-batch {mb}": run_dask_rl(model_dir, prompts, args, mb)
-               for mb in args.micro_batches}
+    results = {"dask-rl" if mb == args.micro_batches[0] else f"dask-rl, micro-batch {mb}":
+               run_dask_rl(model_dir, prompts, args, mb) for mb in args.micro_batches}
     if not args.skip_trl:
         results["trl"] = run_trl(model_dir, prompts, args)
     batch = args.prompts_per_step * SAMPLES
-    print(f"\nGRPO, {args.prompts_per_step} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens "
-          f"(batch {batch}), prompt {PROMPT_TOKENS} tokens, KL 0:")
+    tail = f", end probability {args.end_probability} a token" if args.end_probability else ""
+    print(f"\nGRPO, {args.prompts_per_step} prompts x {SAMPLES} samples x up to {args.new_tokens} new tokens "
+          f"(batch {batch}){tail}, prompt {PROMPT_TOKENS} tokens, KL 0, micro-batch {args.micro_batches[0]}:")
     for name, r in results.items():
-        print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} tokens/s  "
-              f"peak GPU memory (all processes) {r['peak_gib']:5.1f} GiB")
+        extra = (f"  waiting for the rollout {r['rollout_seconds']:.2f} s  update {r['update_seconds']:.2f} s  slot use "
+                 f"{r['slot_use'] or 0:.2f}" if "update_seconds" in r else "")
+        print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} useful tokens/s  "
+              f"mean response {r['mean_response_tokens']:6.1f}  peak GPU memory (all processes) "
+              f"{r['peak_gib']:5.1f} GiB{extra}")
     for name, d in results.items():
         if name == "trl":
             continue
