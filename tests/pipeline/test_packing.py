@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from benchmarks.shapes import geometric_lengths, padded_rows
 from pipeline.config import TrainConfig, TrainConfigError, make_train_config
 from pipeline.models import ValueModel, load_causal_lm
 from pipeline.packing import (
@@ -61,17 +62,9 @@ def test_pack_rows_layout_and_the_mask_transformers_reads_from_it():
     assert predictors.tolist() == [0, 1, 2, 5] and outputs.tolist() == [0, 1, 2, 3]
 
 
-def _geometric_lengths(rows: int, mean: float, cap: int, seed: int = 0) -> list[int]:
-    """Response lengths >= 1 of mean `mean` (geometric: a stop token with probability 1 / mean
-    at every step), cut at `cap`."""
-    uniform = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    draws = torch.ceil(torch.log1p(-uniform) / torch.log1p(torch.tensor(-1.0 / mean, dtype=torch.float64)))
-    return [int(min(cap, max(1, n))) for n in draws.tolist()]
-
-
 def test_token_budget_packing_computes_at_most_a_tenth_more_than_the_real_tokens():
     prompt, cap = 128, 1024
-    lengths = [prompt + n for n in _geometric_lengths(256, 215.0, cap)]
+    lengths = [prompt + n for n in geometric_lengths(256, 215.0, cap)]
     budget = AUTO_ROWS * (prompt + cap)          # the first budget: 16 padded rows' worth
     parts = token_chunks(lengths, micro_batch_count(lengths, budget))
     plans = [plan_packing(lengths[part]) for part in parts]
@@ -113,13 +106,8 @@ PROMPT, RESPONSE = 6, 9
 
 def _rows(vocab: int, prompt_lengths=(6, 3, 1, 4, 5), response_lengths=(9, 2, 5, 0, 7), seed: int = 0):
     """Left-padded prompts and right-padded responses of the given real lengths."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = len(prompt_lengths)
-    ids = torch.randint(2, vocab, (rows, PROMPT + RESPONSE), generator=generator)
-    mask = torch.zeros_like(ids)
-    for row, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
-        mask[row, PROMPT - p:PROMPT + r] = 1
-    return ids * mask, mask
+    return padded_rows(list(prompt_lengths), list(response_lengths), vocab, prompt_width=PROMPT,
+                       response_width=RESPONSE, seed=seed)
 
 
 def _experience(vocab: int, **lengths) -> Experience:
