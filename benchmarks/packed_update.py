@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config  # noqa: E402
-from pipeline.packing import plan_packing  # noqa: E402
+from pipeline.packing import computed_tokens, plan_packing  # noqa: E402
 from pipeline.records import Experience  # noqa: E402
 from pipeline.roles.actor import ActorRole, PolicyStep  # noqa: E402
-from pipeline.roles.training import Trainable, computed_tokens  # noqa: E402
+from pipeline.roles.training import Trainable  # noqa: E402
 
 
 def experience(rows: int, prompt: int, response: int, mean: float, vocab: int, seed: int) -> Experience:

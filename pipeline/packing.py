@@ -161,6 +161,14 @@ def unpack_responses(values: torch.Tensor, outputs: torch.Tensor, shape: tuple[i
     return flat.index_put((outputs,), values).view(shape)
 
 
+def computed_tokens(batch, packed: bool) -> list[int]:
+    """The tokens a forward computes for each row of `batch` (input_ids and attention_mask,
+    (B, L)): its real tokens when packed, else the padded width. What a token budget counts."""
+    if packed:
+        return batch.attention_mask.sum(-1).tolist()
+    return [batch.input_ids.shape[1]] * batch.input_ids.shape[0]
+
+
 def micro_batch_count(lengths: Sequence[int], budget: int) -> int:
     """Micro-batches of consecutive rows, each at most `budget` real tokens (a row longer
     than that alone), filled greedily in order: the fewest such cuts need."""

@@ -11,12 +11,13 @@ from distributed import get_worker
 
 from pipeline import weights
 from pipeline.algorithms import aggregate_loss, importance_weights, kl_loss, masked_sum
+from pipeline.packing import computed_tokens
 from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
 from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy
 from pipeline.roles.host import resolve_device, role_state
-from pipeline.roles.training import GroupInfo, Trainable, computed_tokens
+from pipeline.roles.training import GroupInfo, Trainable
 from resources.allocator import rows_per_micro_batch
 
 

@@ -445,14 +445,6 @@ class Trainable:
             dist.destroy_process_group()
 
 
-def computed_tokens(batch: Any, packed: bool) -> list[int]:
-    """The tokens a forward computes for each row of `batch` (ids and mask (B, L)): its real
-    tokens when packed, else the padded width. What a token budget counts."""
-    if packed:
-        return batch.attention_mask.sum(-1).tolist()
-    return [batch.input_ids.shape[1]] * len(batch)
-
-
 def _blocks(model: nn.Module) -> nn.Module:
     """The transformers model inside `model` (the critic wraps one in a value head)."""
     for module in model.modules():

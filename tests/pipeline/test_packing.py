@@ -14,7 +14,7 @@ from benchmarks.shapes import geometric_lengths, padded_rows
 from pipeline.config import TrainConfig, TrainConfigError, make_train_config
 from pipeline.models import ValueModel, load_causal_lm
 from pipeline.packing import (
-    first_fit_decreasing, micro_batch_count, pack_capacity, pack_rows, plan_packing, response_slots, token_chunks,
+    computed_tokens, first_fit_decreasing, micro_batch_count, pack_capacity, pack_rows, plan_packing, response_slots, token_chunks,
 )
 from pipeline.records import Experience
 from pipeline.roles import forward
@@ -22,7 +22,7 @@ from pipeline.roles.actor import ActorRole, PolicyStep
 from pipeline.roles.forward import (
     in_row_chunks, response_logprobs, response_logprobs_and_entropy, response_values,
 )
-from pipeline.roles.training import Trainable, computed_tokens
+from pipeline.roles.training import Trainable
 from resources.allocator import AUTO_ROWS, MicroBatchAllocator, token_budget
 
 
@@ -129,7 +129,9 @@ def policy(request, tiny_model, monkeypatch):
     return model
 
 
-def test_packed_logprobs_and_entropy_equal_padded(policy):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_logprobs_and_entropy_equal_padded(policy, attention):
+    policy.set_attn_implementation(attention)   # both read the packed sequences from the positions
     ids, mask = _rows(policy.config.vocab_size)
     response = mask[:, PROMPT:].bool()
     padded = response_logprobs_and_entropy(policy, ids, mask, PROMPT, 0.7, entropy_grad=True)
