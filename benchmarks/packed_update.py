@@ -19,6 +19,7 @@ micro-batches. A table on stdout and, with --json PATH, one JSON line.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -89,11 +90,12 @@ def main(argv=None) -> dict:
 
     config = qwen2_05b_config(args.layers)
     batch = experience(args.rows, args.prompt, args.max_response, args.mean_response, config.vocab_size, args.seed)
+    torch.manual_seed(args.seed)
+    initial = Qwen2ForCausalLM(config).to(torch.bfloat16)    # built once (random init of 0.5B takes a while)
     results = {}
     for name, micro_batch_size, pack in (("padded", 16, False), ("packed", "auto", True)):
-        torch.manual_seed(args.seed)
-        trainable = Trainable(lambda: Qwen2ForCausalLM(config).to(torch.bfloat16), lr=1e-6, strategy="none",
-                              device="cuda", gradient_checkpointing=True, role_name="actor")
+        trainable = Trainable(lambda: copy.deepcopy(initial), lr=1e-6, strategy="none", device="cuda",
+                              gradient_checkpointing=True, role_name="actor")
         run(trainable, batch, micro_batch_size, pack)            # warm-up; the budget measures bytes per token
         results[name] = run(trainable, batch, micro_batch_size, pack)
         del trainable
