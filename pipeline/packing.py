@@ -91,7 +91,9 @@ class PackedRows:
     """A micro-batch packed: model inputs plus the map back to the padded layout.
 
     input_ids, position_ids: (N, W); position ids run 0.. within each sequence, and the
-    filler after a packed row's last sequence (pad id) runs 0.. as a sequence of its own.
+    filler after a packed row's last sequence (pad id) runs 0.. as a sequence of its own,
+    restarting before it would reach the longest real sequence's length: no position is
+    one the padded rows did not use (a model with a table of positions has them all).
     starts: (B,) flat index into N*W of each padded row's first real token.
     """
 
@@ -133,7 +135,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int
     packed_ids = input_ids.new_full((count * plan.width,), pad_id)
     packed_ids[target] = input_ids.reshape(-1)[source]
     # Filler slots of bin b sit at columns >= fill_b: arange - fill_b numbers them 0, 1, ...
-    positions = (torch.arange(plan.width, device=device) - torch.tensor(fills, device=device)[:, None]).reshape(-1)
+    positions = (torch.arange(plan.width, device=device) - torch.tensor(fills, device=device)[:, None])
+    positions = positions.remainder(max(plan.lengths, default=1) or 1).reshape(-1)
     positions[target] = within
     return PackedRows(packed_ids.view(count, plan.width), positions.view(count, plan.width), starts_t, plan)
 

@@ -56,6 +56,9 @@ def test_pack_rows_layout_and_the_mask_transformers_reads_from_it():
     assert packed.starts.tolist() == [0, 4]
     # Sequence boundaries from the positions alone: the model's mask keeps them apart.
     assert find_packed_sequence_indices(packed.position_ids).tolist() == [[0, 0, 0, 0, 1, 1, 1, 2]]
+    # Long filler restarts below the longest sequence's length (4 here): 0 1 2 3, then 0 1 ...
+    wide = pack_rows(ids, mask, capacity=13)
+    assert wide.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 0, 1]]
     # Prompt width 3: row 0 has 1 prompt token and responses 6, 7, 8 (predicted at packed
     # 0, 1, 2); row 1 has 2 prompt tokens and response 11 (predicted by 10, packed 5).
     predictors, outputs = response_slots(packed, mask, prompt_length=3)
