@@ -79,3 +79,27 @@ def end_with_probability(model, eos_id: int, probability: float):
 def mean_geometric_length(probability: float, cap: int) -> float:
     """Expected response length when each token ends it with `probability`, cut at `cap`."""
     return (1 - (1 - probability) ** cap) / probability
+
+
+def geometric_lengths(count: int, mean: float, cap: int, seed: int = 0) -> list[int]:
+    """`count` response lengths >= 1 of mean about `mean`, cut at `cap`: a sampled response
+    that stops with probability 1 / mean after every token (long-tailed, as RL rollouts are)."""
+    import torch
+
+    uniform = torch.rand(count, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    draws = torch.ceil(torch.log1p(-uniform) / torch.log1p(torch.tensor(-1.0 / mean, dtype=torch.float64)))
+    return [int(min(cap, max(1, n))) for n in draws.tolist()]
+
+
+def padded_rows(prompt_lengths: list[int], response_lengths: list[int], vocab: int, *, prompt_width: int,
+                response_width: int, seed: int = 0):
+    """(ids, mask), each (B, prompt_width + response_width), laid out as a rollout is: prompts
+    of the given real lengths left-padded, responses right-padded, pad id 0, random tokens."""
+    import torch
+
+    ids = torch.randint(2, vocab, (len(prompt_lengths), prompt_width + response_width),
+                        generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros_like(ids)
+    for row, (prompt, response) in enumerate(zip(prompt_lengths, response_lengths)):
+        mask[row, prompt_width - prompt:prompt_width + response] = 1
+    return ids * mask, mask

@@ -89,7 +89,12 @@ class TrainConfig:
     lam: float = 0.95
     ppo_epochs: int = 1
     mini_batches: int = 1             # optimizer steps per epoch
-    micro_batch_size: int = 16        # rows per forward/backward (gradients accumulate)
+    # Rows per forward/backward (gradients accumulate), or "auto": 16 rows on a CPU; on a GPU,
+    # micro-batches of as many tokens as the free memory fits at the measured bytes per token.
+    micro_batch_size: int | str = "auto"
+    # Actor, critic and reference run on the rows' real tokens packed into full rows (no
+    # padding computed, pipeline/packing.py); false: the padded rows as they are.
+    pack_sequences: bool = True
     # Actor and critic recompute each transformer block in the backward pass instead of
     # keeping its activations: far less GPU memory for about a third more update compute.
     gradient_checkpointing: bool = True
@@ -188,7 +193,9 @@ class TrainConfig:
             # A mini-batch with no rows would be an optimizer step on nothing.
             "mini_batches": (1 <= self.mini_batches <= rows,
                              f"use 1 to {rows} (prompts_per_step x samples_per_prompt rows per step)"),
-            "micro_batch_size": (self.micro_batch_size >= 1, "use a positive number"),
+            "micro_batch_size": (self.micro_batch_size == "auto" or (
+                isinstance(self.micro_batch_size, int) and not isinstance(self.micro_batch_size, bool)
+                and 1 <= self.micro_batch_size <= MAX_COUNT), "use a positive number of rows or auto"),
             # An on-policy token has weight 1: a cap below 1 would shrink every update.
             "is_cap": (self.is_cap >= 1, "use 1 or more, e.g. 2.0"),
             "max_staleness": (self.max_staleness >= 0, "use 0 (on-policy) or a positive number of versions"),
@@ -352,6 +359,8 @@ def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
         if value is None:
             return None
         type_name = type_name.removesuffix(" | None")
+    if type_name == "int | str":  # a count or the word auto (the value check is TrainConfig's)
+        return value
     if type_name == "dict[str, str]":
         if not (isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) and k and v
                                                    for k, v in value.items())):

@@ -107,7 +107,7 @@ class InFlight:
                                                        tc.temperature, tag=shard_tag))
             if "critic" in self.roles:
                 batch.values.append(fleet.submit("critic", critic.values, generated, tc.micro_batch_size,
-                                                 tag=shard_tag))
+                                                 tc.pack_sequences, tag=shard_tag))
 
     def _reward_inputs(self, draws: list[int]) -> RewardInputs | None:
         """The original prompt and the fields of each drawn row, by group id (its draw number)."""

@@ -204,10 +204,15 @@ class ValueModel(nn.Module):
         save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
                   str(Path(path) / VALUE_HEAD_FILE))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, L) ids and mask -> (B, L) values, one per position."""
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids(attention_mask)).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) ids and mask -> (B, L) values, one per position. Packed rows (packing.py)
+        come without a mask and with their `positions`, restarting at each sequence."""
+        if attention_mask is not None:
+            positions = position_ids(attention_mask)
+        # No cache: transformers reads packed sequences from the positions only without one.
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                           use_cache=False).last_hidden_state
         return self.head(hidden).squeeze(-1)
 
 

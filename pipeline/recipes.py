@@ -36,7 +36,8 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
                                           rewards=reward_specs(reward_model, tc.reward_weights, output_dir))
     if "reference" in roles:
         recipes["reference"] = functools.partial(reference.ReferenceRole, model_dir(reference_model, "reference"),
-                                                 dtype=tc.dtype, micro_batch_size=tc.micro_batch_size)
+                                                 dtype=tc.dtype, micro_batch_size=tc.micro_batch_size,
+                                                 pack_sequences=tc.pack_sequences)
     if "critic" in roles:
         recipes["critic"] = functools.partial(
             critic.CriticRole, model_dir(critic_model, "critic"), lr=tc.critic_lr,

@@ -77,8 +77,9 @@ class PolicyUpdate:
         self.fleet.degraded(error.role, error.what, error.rows, cap, "rows per micro-batch", OUT_OF_MEMORY,
                             f"{error.detail}; the update is redone, the smaller size kept for the run")
 
-    def _micro_batch_size(self, role: str) -> int:
-        return self.micro_batch_caps.get(role, self.train_config.micro_batch_size)  # a cap is always below it
+    def _micro_batch_size(self, role: str) -> int | str:
+        # A cap is below what failed: rows, also where the configured size was "auto".
+        return self.micro_batch_caps.get(role, self.train_config.micro_batch_size)
 
     def _lost_roles(self) -> list[str]:
         return [role for role in ("actor", "critic") if role in self.roles and self.fleet.lost_member(role)]
@@ -102,14 +103,15 @@ class PolicyUpdate:
             keep_versions=tc.published_versions, recovery_path=self._recovery_path("actor"),
             clip_ratio_high=tc.clip_ratio_high, clip_ratio_c=tc.clip_ratio_c, policy_loss=tc.policy_loss,
             loss_agg_mode=tc.loss_agg_mode, sequence_counts=sequences, horizon=float(tc.max_new_tokens),
-            entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor)
+            entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor, pack_sequences=tc.pack_sequences)
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
         if "critic" in self.roles:
             critic_step = critic.CriticStep(clip_range=tc.value_clip,
                                             micro_batch_size=self._micro_batch_size("critic"),
                                             epochs=tc.ppo_epochs, normalizers=normalizers,
                                             next_version=self.fleet.version + 1,
-                                            recovery_path=self._recovery_path("critic"), lr=tc.critic_lr * factor)
+                                            recovery_path=self._recovery_path("critic"), lr=tc.critic_lr * factor,
+                                            pack_sequences=tc.pack_sequences)
             critic_workers, critic_futures = self._rank_tasks("critic", critic.update, experience, critic_step)
         results = fleet.wait("actor", actor_futures, "the policy update")
         losses = sum_stats(stats for stats, _ in results)

@@ -36,6 +36,16 @@ LOW_FREE_MEMORY = "free memory"    # the `cause` of work planned smaller from a 
 
 T = TypeVar("T")
 
+# Rows per micro-batch of `micro_batch_size: auto` where no token budget applies: on a CPU,
+# and in the no-grad forwards (reference, critic values, proximal logprobs), whose
+# activations are freed layer by layer.
+AUTO_ROWS = 16
+
+
+def rows_per_micro_batch(micro_batch_size: int | str) -> int:
+    """A configured micro_batch_size as rows: an int as it is, "auto" as AUTO_ROWS."""
+    return AUTO_ROWS if micro_batch_size == "auto" else micro_batch_size
+
 
 class OutOfMemoryAtOneRow(RuntimeError):
     """Even a single row does not fit: smaller micro-batches cannot help."""
@@ -74,6 +84,13 @@ class MicroBatchAllocator:
         fit = int(self.headroom * free_bytes / (self.bytes_per_token * tokens_per_row))
         return max(1, min(max_rows, fit))
 
+    def tokens(self, first_budget: int, free_bytes: int | None) -> int:
+        """Real tokens per micro-batch (the budget of packed micro-batches): `first_budget`
+        until a measurement and a memory reading exist, then token_budget of them."""
+        if free_bytes is None or not self.bytes_per_token:
+            return first_budget
+        return token_budget(free_bytes, self.bytes_per_token, self.headroom)
+
     def observe(self, peak_bytes: int, tokens: int) -> None:
         """Record a micro-batch's peak extra memory; keep the worst case per token."""
         if tokens > 0 and peak_bytes > 0:
@@ -94,6 +111,12 @@ class MicroBatchAllocator:
                                       "state and one sequence do not fit this device; shorten max_new_tokens "
                                       "or prompts, use fsdp over more GPUs, or a smaller model")
         return rows // 2
+
+
+def token_budget(free_bytes: int, bytes_per_token: float, headroom: float) -> int:
+    """The most tokens whose activations (`bytes_per_token` each, measured at its peak)
+    fit in `headroom` x `free_bytes`; at least 1."""
+    return max(1, int(headroom * free_bytes / bytes_per_token))
 
 
 def free_bytes(device: Any) -> int | None:

@@ -11,12 +11,14 @@ from distributed import get_worker
 
 from pipeline import weights
 from pipeline.algorithms import aggregate_loss, importance_weights, kl_loss, masked_sum
+from pipeline.packing import computed_tokens
 from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
 from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
+from resources.allocator import rows_per_micro_batch
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class PolicyStep:
     clip_ratio: float
     kl_coef_in_loss: float           # GRPO puts KL in the loss; PPO puts it in the reward (0 here)
     temperature: float
-    micro_batch_size: int
+    micro_batch_size: int | str      # rows per micro-batch, or "auto" (training.Trainable.optimizer_step)
     epochs: int
     is_cap: float                    # truncation of the behaviour->proximal importance weight
     normalizers: tuple[float, ...]   # global valid-token count of each mini-batch
@@ -44,6 +46,7 @@ class PolicyStep:
     horizon: float | None = None          # seq-mean-token-sum-norm's constant (max_new_tokens)
     entropy_coef: float = 0.0             # weight of the entropy bonus (the entropy is measured anyway)
     lr: float | None = None               # learning rate of this update (None: leave the optimizer's)
+    pack_sequences: bool = True           # forwards over the rows' real tokens, packed (pipeline/packing.py)
 
 
 class ActorRole:
@@ -90,7 +93,8 @@ class ActorRole:
 
                 loss = lambda model, c: self._loss(model, c, step, normalizer, seqs)  # noqa: E731
                 per_step.append(self.trainer.optimizer_step(take, len(batch), loss, max_rows=step.micro_batch_size,
-                                                            tokens_per_row=batch.input_ids.shape[1]))
+                                                            tokens_per_row=batch.input_ids.shape[1],
+                                                            row_tokens=computed_tokens(batch, step.pack_sequences)))
         totals = sum_stats(per_step)
         if totals.get("refused_steps", 0) == len(per_step):  # no step applied: the published version stands
             return totals, None
@@ -104,18 +108,19 @@ class ActorRole:
         model = self.trainer.model.eval()
         if not self.trainer.sharded:
             return in_row_chunks(response_logprobs, model, batch, step.micro_batch_size, self.device,
-                                 step.temperature, what="proximal logprobs")
+                                 step.temperature, what="proximal logprobs", pack=step.pack_sequences)
         ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
         return self.trainer.sharded_forward(
-            lambda rows: response_logprobs(model, ids[rows], mask[rows], batch.prompt_length, step.temperature).float(),
-            len(batch), step.micro_batch_size, what="proximal logprobs")
+            lambda rows: response_logprobs(model, ids[rows], mask[rows], batch.prompt_length, step.temperature,
+                                           pack=step.pack_sequences).float(),
+            len(batch), rows_per_micro_batch(step.micro_batch_size), what="proximal logprobs")
 
     def _loss(self, model, chunk, step: PolicyStep, normalizer: float, sequences: float | None):
         batch, proximal = chunk
         mask = batch.response_mask.to(self.device)
         logp, entropy = response_logprobs_and_entropy(
             model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device), batch.prompt_length,
-            step.temperature, entropy_grad=step.entropy_coef > 0)
+            step.temperature, entropy_grad=step.entropy_coef > 0, pack=step.pack_sequences)
         proximal = logp.detach() if proximal is None else proximal
         is_weights = importance_weights(proximal, batch.behavior_logprobs.to(self.device), mask, step.is_cap)
         # One aggregation for every term, with the global counts: splitting never changes the sum.

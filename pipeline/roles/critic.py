@@ -8,6 +8,7 @@ import torch
 
 from pipeline.algorithms import value_loss
 from pipeline.metrics import sum_stats
+from pipeline.packing import computed_tokens
 from pipeline.records import Experience, Rollout
 from pipeline.roles.forward import in_row_chunks, response_values
 from pipeline.roles.host import resolve_device, role_state
@@ -19,12 +20,13 @@ class CriticStep:
     """Hyperparameters of one critic update, passed as plain values."""
 
     clip_range: float
-    micro_batch_size: int
+    micro_batch_size: int | str      # rows per micro-batch, or "auto" (training.Trainable.optimizer_step)
     epochs: int
     normalizers: tuple[float, ...]   # global valid-token count of each mini-batch
     next_version: int                # the policy version this update goes with (exactly once per version)
     recovery_path: str | None = None  # where rank 0 saves the state after this update (None: not this step)
     lr: float | None = None          # learning rate of this update (None: leave the optimizer's)
+    pack_sequences: bool = True      # forwards over the rows' real tokens, packed (pipeline/packing.py)
 
 
 class CriticRole:
@@ -39,10 +41,10 @@ class CriticRole:
                                  role_name="critic", recovery_path=recovery_path)
         self.device = device
 
-    def values(self, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+    def values(self, rollout: Rollout, micro_batch_size: int | str, pack_sequences: bool = True) -> torch.Tensor:
         """(B, R) V(s_t) for each response token, 0 on padding."""
         return in_row_chunks(response_values, self.trainer.model.eval(), rollout, micro_batch_size,
-                             self.device, what="critic values").cpu() * rollout.response_mask
+                             self.device, what="critic values", pack=pack_sequences).cpu() * rollout.response_mask
 
     def close(self) -> None:
         self.trainer.close()
@@ -59,21 +61,23 @@ class CriticRole:
                 loss = lambda model, b: self._loss(model, b, step, normalizer)  # noqa: E731
                 per_step.append(self.trainer.optimizer_step(batch.select, len(batch), loss,
                                                             max_rows=step.micro_batch_size,
-                                                            tokens_per_row=batch.input_ids.shape[1]))
+                                                            tokens_per_row=batch.input_ids.shape[1],
+                                                            row_tokens=computed_tokens(batch, step.pack_sequences)))
         return self.trainer.record(step.next_version, sum_stats(per_step), step.recovery_path)
 
     def _loss(self, model, batch: Experience, step: CriticStep, normalizer: float):
         to = lambda t: t.to(self.device)  # noqa: E731
-        values = response_values(model, to(batch.input_ids), to(batch.attention_mask), batch.prompt_length)
+        values = response_values(model, to(batch.input_ids), to(batch.attention_mask), batch.prompt_length,
+                                 pack=step.pack_sequences)
         loss, stats = value_loss(values, to(batch.old_values), to(batch.returns), to(batch.response_mask),
                                  step.clip_range, normalizer=normalizer)
         tokens = float(batch.response_mask.sum())
         return loss, {"value_loss": float(loss.detach()), "value_clip_tokens": float(stats["value_clip_frac"]) * tokens}
 
 
-def values(rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+def values(rollout: Rollout, micro_batch_size: int | str, pack_sequences: bool = True) -> torch.Tensor:
     """Task: (B, R) critic values for one rollout shard."""
-    return role_state("critic").values(rollout, micro_batch_size)
+    return role_state("critic").values(rollout, micro_batch_size, pack_sequences)
 
 
 def update(mini_batches: list[Experience], group: GroupInfo, step: CriticStep) -> dict[str, float]:

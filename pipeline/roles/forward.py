@@ -9,7 +9,8 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
-from resources.allocator import free_bytes, in_chunks
+from pipeline.packing import pack_rows, response_slots, unpack_responses
+from resources.allocator import free_bytes, in_chunks, rows_per_micro_batch
 
 
 # Response tokens projected onto the vocabulary at once. A (tokens, V) float32 block is what
@@ -28,36 +29,60 @@ _SEPARABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      prompt_length: int, temperature: float) -> torch.Tensor:
+                      prompt_length: int, temperature: float, pack: bool = False) -> torch.Tensor:
     """(B, P+R) ids -> (B, R) log-probabilities of the response tokens under `model`.
 
     The logits at position t predict token t+1, so columns P-1 .. P+R-2 score the response.
     The prompt's columns are never projected onto the vocabulary, and the response's are
     projected LOGIT_CHUNK_TOKENS at a time; with gradients on, each chunk's logits are
     recomputed in the backward pass instead of being kept (memory: one chunk, not B x R x V).
+
+    `pack`: the rows' real tokens run packed (pipeline/packing.py) and only real response
+    tokens are projected; padded response positions are then exactly 0.
     """
-    return _response_scores(model, input_ids, attention_mask, prompt_length, temperature, None)[0]
+    return _response_scores(model, input_ids, attention_mask, prompt_length, temperature, None, pack)[0]
 
 
 def response_logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                   prompt_length: int, temperature: float,
-                                  entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                                  entropy_grad: bool, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """As response_logprobs, plus (B, R) float32 entropy of softmax(logits / temperature) at each
     response position, from the same logits (the log-probs are computed exactly as there).
     Without `entropy_grad` the entropy is detached: a figure, no backward cost."""
-    return _response_scores(model, input_ids, attention_mask, prompt_length, temperature, entropy_grad)
+    return _response_scores(model, input_ids, attention_mask, prompt_length, temperature, entropy_grad, pack)
 
 
 def _response_scores(model, input_ids, attention_mask, prompt_length: int, temperature: float,
-                     entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool | None, pack: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs, entropy or None); entropy_grad None: no entropy."""
     targets = input_ids[:, prompt_length:]
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    if not _separable(model, inputs, prompt_length, temperature):
+    separable = _separable(model, inputs, prompt_length, temperature)
+    if pack:
+        return _packed_scores(model, separable, input_ids, attention_mask, prompt_length, temperature, entropy_grad)
+    if not separable:
         logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits[:, :-1]
         return _project_logits(logits, targets, temperature, entropy_grad)
     hidden = model.base_model(**inputs).last_hidden_state[:, prompt_length - 1:-1]
     return _chunked_scores(model.get_output_embeddings(), hidden, targets, temperature, entropy_grad)
+
+
+def _packed_scores(model, separable: bool, input_ids, attention_mask, prompt_length: int, temperature: float,
+                   entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_response_scores over the packed real tokens: the hidden states that predict real
+    response tokens are gathered (T of them), scored, and scattered back to (B, R)."""
+    packed = pack_rows(input_ids, attention_mask)
+    predictors, outputs = response_slots(packed, attention_mask, prompt_length)
+    targets = input_ids[:, prompt_length:].reshape(-1)[outputs]
+    if separable:
+        hidden = model.base_model(**packed.model_inputs()).last_hidden_state
+        scores = _chunked_scores(model.get_output_embeddings(), hidden.flatten(0, 1)[predictors], targets,
+                                 temperature, entropy_grad)
+    else:
+        logits = model(**packed.model_inputs()).logits.flatten(0, 1)[predictors]
+        scores = _project_logits(logits, targets, temperature, entropy_grad)
+    shape = (input_ids.shape[0], input_ids.shape[1] - prompt_length)
+    return tuple(None if part is None else unpack_responses(part, outputs, shape) for part in scores)
 
 
 def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -120,22 +145,32 @@ def _separable(model, inputs: dict, prompt_length: int, temperature: float) -> b
 
 
 def response_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    prompt_length: int) -> torch.Tensor:
-    """(B, P+R) ids -> (B, R): V of the state before each response token is emitted."""
-    return critic(input_ids, attention_mask)[:, prompt_length - 1:-1]
+                    prompt_length: int, pack: bool = False) -> torch.Tensor:
+    """(B, P+R) ids -> (B, R): V of the state before each response token is emitted
+    (`pack`: over the packed real tokens, exactly 0 on padded response positions)."""
+    if not pack:
+        return critic(input_ids, attention_mask)[:, prompt_length - 1:-1]
+    packed = pack_rows(input_ids, attention_mask)
+    predictors, outputs = response_slots(packed, attention_mask, prompt_length)
+    values = critic(packed.input_ids, None, positions=packed.position_ids).flatten()[predictors]
+    return unpack_responses(values, outputs, (input_ids.shape[0], input_ids.shape[1] - prompt_length))
 
 
 @torch.no_grad()
-def in_row_chunks(forward, model, batch, micro_batch_size: int, device, *args, what: str = "forward") -> torch.Tensor:
-    """(B, R) float32 `forward(model, input_ids, attention_mask, prompt_length, *args)` over a
-    rollout or experience, `micro_batch_size` rows at a time (no gradients), on `device`:
-    the reference's logprobs, the critic's values and the actor's proximal logprobs.
+def in_row_chunks(forward, model, batch, micro_batch_size: int | str, device, *args, what: str = "forward",
+                  pack: bool = False) -> torch.Tensor:
+    """(B, R) float32 `forward(model, input_ids, attention_mask, prompt_length, *args, pack=pack)`
+    over a rollout or experience, `micro_batch_size` rows at a time (no gradients; "auto":
+    allocator.AUTO_ROWS), on `device`: the reference's logprobs, the critic's values and the
+    actor's proximal logprobs.
 
     A chunk that runs out of memory is halved and redone (reported as a degradation of
     `what`); rows are scored independently, so the result is the same."""
     def run(rows: slice) -> torch.Tensor:
         return forward(model, batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device),
-                       batch.prompt_length, *args).float()
+                       batch.prompt_length, *args, pack=pack).float()
+
+    micro_batch_size = rows_per_micro_batch(micro_batch_size)
 
     rows = micro_batch_size
     fitted, free_then = _FITTED.get(model, (micro_batch_size, None))

@@ -10,18 +10,20 @@ from pipeline.roles.host import resolve_device, role_state
 
 
 class ReferenceRole:
-    def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "float32", micro_batch_size: int = 16):
+    def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "float32",
+                 micro_batch_size: int | str = "auto", pack_sequences: bool = True):
         device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
         self.model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype)).eval()
         self.device = device
         self.micro_batch_size = micro_batch_size
+        self.pack_sequences = pack_sequences
 
     def logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """(B, R) log pi_ref of the response tokens, 0 on padding."""
         return in_row_chunks(response_logprobs, self.model, rollout, self.micro_batch_size, self.device,
-                             temperature, what="reference logprobs").cpu() * rollout.response_mask
+                             temperature, what="reference logprobs", pack=self.pack_sequences).cpu() * rollout.response_mask
 
 
 def ref_logprobs(rollout: Rollout, temperature: float) -> torch.Tensor:

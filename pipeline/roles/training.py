@@ -13,17 +13,18 @@ import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.packing import micro_batch_count, token_chunks
 from pipeline.records import even_chunks
 from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
 from resources.allocator import (
-    OUT_OF_MEMORY, GroupOutOfMemory, MicroBatchAllocator, first_line, free_bytes, group_any, group_max, group_min,
-    release_cached, report,
+    AUTO_ROWS, OUT_OF_MEMORY, GroupOutOfMemory, MicroBatchAllocator, first_line, free_bytes, group_any, group_max,
+    group_min, release_cached, report, rows_per_micro_batch,
 )
 
 logger = logging.getLogger("dask_rl")
@@ -66,6 +67,7 @@ class Trainable:
         self.optimizer = self._make_optimizer()
         self.allocator = MicroBatchAllocator()
         self.micro_batch_rows: int | None = None   # what the last step used (after any backoff)
+        self.micro_batch_tokens: int | None = None  # the token budget of the last step, when it had one
         # The last update applied (its version) and what it returned: a redo of that update
         # (after a fault elsewhere) returns this instead of training on the batch again.
         self.version = 0
@@ -165,18 +167,32 @@ class Trainable:
     # -- one optimizer step ----------------------------------------------------------------
     def optimizer_step(self, take: Callable[[slice], Any], num_rows: int,
                        loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float]]], *,
-                       max_rows: int, tokens_per_row: int) -> dict[str, float]:
+                       max_rows: int | str, tokens_per_row: int,
+                       row_tokens: Sequence[int] | None = None) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` over micro-batches `take(rows)` of this rank's
         `num_rows` rows, reduce across ranks, step.
 
-        The micro-batch size starts at what free memory allows (at most `max_rows`), the
-        smallest any rank allows. An out-of-memory error on any rank halves it on every rank
-        and the same step is redone from zero gradients, so the result does not depend on
-        it; under FSDP the group cannot do that by itself and the failing rank raises
+        `max_rows` rows per micro-batch, or "auto": where this worker can read its free GPU
+        memory and `row_tokens` (the real tokens of each row, which a packed forward
+        computes) is given, micro-batches of consecutive rows are cut by a budget of real
+        tokens (_budgeted_step); else AUTO_ROWS rows.
+
+        Rows: the micro-batch size starts at what free memory allows (at most `max_rows`),
+        the smallest any rank allows. An out-of-memory error on any rank halves it on every
+        rank and the same step is redone from zero gradients, so the result does not depend
+        on it; under FSDP the group cannot do that by itself and the failing rank raises
         GroupOutOfMemory for the driver (see below). `loss_fn` must already divide by the
         global token count (see the module docstring). Returns the summed stats of the
         micro-batches plus the gradient norm.
         """
+        self._eval_mode_with_checkpointing()
+        if max_rows == "auto" and row_tokens is not None and self._free_bytes() is not None:
+            totals = self._budgeted_step(take, [int(n) for n in row_tokens], loss_fn, tokens_per_row)
+        else:
+            totals = self._rows_step(take, num_rows, loss_fn, rows_per_micro_batch(max_rows), tokens_per_row)
+        return self._apply_gradients(totals)
+
+    def _eval_mode_with_checkpointing(self) -> None:
         # Eval mode, i.e. dropout off, while computing gradients: the proximal log-probs and
         # old values come from eval-mode forwards, so with dropout on, on-policy ratios would
         # be != 1 from the first step. Transformers models read `training` only for dropout
@@ -187,26 +203,19 @@ class Trainable:
             for module in self.model.modules():
                 if getattr(module, "gradient_checkpointing", False) is True:
                     module.training = True
+
+    def _rows_step(self, take, num_rows: int, loss_fn, max_rows: int, tokens_per_row: int) -> dict[str, float]:
         free = self._free_bytes()
         rows = self.allocator.rows(max_rows, tokens_per_row, free)
         if self.world_size > 1:  # one size for the group: the smallest any rank can fit
             rows = group_min(rows, self.device)
         while True:
-            failure = None
-            try:
-                totals = self._accumulate([take(part) for part in self.micro_batches(num_rows, rows)], loss_fn,
-                                          rows * tokens_per_row)
-            except torch.OutOfMemoryError as error:
-                failure = first_line(error)
-            # Outside the except block, whose traceback held the failed attempt's activations.
+            parts = self.micro_batches(num_rows, rows)
+            totals, failure = self._try_accumulate(take, parts, loss_fn, [rows * tokens_per_row] * len(parts))
             if failure is not None and self.sharded:
-                self._raise_group_out_of_memory("optimizer step", rows, failure, free, tokens_per_row)
-            # Every rank learns whether any rank failed, and all redo the step together.
-            failed = group_any(failure is not None, self.device) if self.world_size > 1 else failure is not None
-            if not failed:
+                self._raise_group_out_of_memory("optimizer step", rows, failure, free, rows * tokens_per_row)
+            if not self._any_failed(failure):
                 break
-            self.optimizer.zero_grad(set_to_none=True)
-            release_cached(self.device)
             smaller = MicroBatchAllocator.backoff(rows)
             if failure is not None:
                 self.allocator.observe_out_of_memory(free, rows * tokens_per_row)
@@ -215,7 +224,64 @@ class Trainable:
                 logger.info("dask-rl: another rank ran out of memory at %d rows per micro-batch; redoing the "
                             "step with %d", rows, smaller)
             rows, free = smaller, self._free_bytes()
-        self.micro_batch_rows = rows
+        self.micro_batch_rows, self.micro_batch_tokens = rows, None
+        return totals
+
+    def _budgeted_step(self, take, row_tokens: list[int], loss_fn, tokens_per_row: int) -> dict[str, float]:
+        """Micro-batches of consecutive rows of at most `budget` real tokens each. The budget
+        starts at AUTO_ROWS rows' worth of padded tokens, then follows the measured peak
+        bytes per real token and the free memory; ranks run the same number of micro-batches
+        (the largest any rank needs: one all_reduce), each rank spreading its rows evenly
+        over them. An out-of-memory error halves the budget on every rank and redoes the step
+        from zero gradients, as for rows."""
+        free = self._free_bytes()
+        budget = self.allocator.tokens(AUTO_ROWS * tokens_per_row, free)
+        largest_shard = group_max(len(row_tokens), self.device) if self.world_size > 1 else len(row_tokens)
+        while True:
+            count = micro_batch_count(row_tokens, budget)
+            count = group_max(count, self.device) if self.world_size > 1 else count
+            parts = token_chunks(row_tokens, count)
+            sizes = [sum(row_tokens[part]) for part in parts]
+            totals, failure = self._try_accumulate(take, parts, loss_fn, sizes)
+            if failure is not None and self.sharded:
+                rows = max(part.stop - part.start for part in parts)
+                self._raise_group_out_of_memory("optimizer step", rows, failure, free, max(sizes))
+            if not self._any_failed(failure):
+                break
+            if count >= largest_shard:  # every rank agrees: one row per micro-batch already failed
+                MicroBatchAllocator.backoff(1)
+            smaller = max(1, budget // 2)
+            if failure is not None:
+                self.allocator.observe_out_of_memory(free, max(sizes))
+                report("optimizer step", budget, smaller, "tokens per micro-batch", OUT_OF_MEMORY, failure)
+            budget, free = smaller, self._free_bytes()
+        self.micro_batch_rows = max(part.stop - part.start for part in parts)
+        self.micro_batch_tokens = budget
+        return totals
+
+    def _try_accumulate(self, take, parts: list[slice], loss_fn,
+                        tokens: list[int]) -> tuple[dict[str, float] | None, str | None]:
+        """(summed stats, None), or (None, the out-of-memory error's first line) with the
+        gradients zeroed and the cache released."""
+        try:
+            return self._accumulate([take(part) for part in parts], loss_fn, tokens), None
+        except torch.OutOfMemoryError as error:
+            failure = first_line(error)
+        # Outside the except block, whose traceback held the failed attempt's activations.
+        self.optimizer.zero_grad(set_to_none=True)
+        release_cached(self.device)
+        return None, failure
+
+    def _any_failed(self, failure: str | None) -> bool:
+        """Whether any rank failed; every rank learns it, and all redo the step together.
+        A rank that did not fail drops its gradients too."""
+        failed = group_any(failure is not None, self.device) if self.world_size > 1 else failure is not None
+        if failed and failure is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            release_cached(self.device)
+        return failed
+
+    def _apply_gradients(self, totals: dict[str, float]) -> dict[str, float]:
         if self.world_size > 1 and not self.sharded:
             self._all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -260,21 +326,24 @@ class Trainable:
         self._raise_group_out_of_memory(what, max_rows, failure, None, 0)
 
     def _raise_group_out_of_memory(self, what: str, rows: int, failure: str, free: int | None,
-                                   tokens_per_row: int) -> None:
+                                   tokens: int) -> None:
         # The other ranks are inside this micro-batch's collectives by now: any collective
         # from here would pair with theirs. The driver frees them and redoes the update.
         self.optimizer.zero_grad(set_to_none=True)
         release_cached(self.device)
-        self.allocator.observe_out_of_memory(free, rows * tokens_per_row)
+        self.allocator.observe_out_of_memory(free, tokens)
         logger.warning("dask-rl: %s rank %d ran out of memory under FSDP in the %s with micro-batches of %d rows "
                        "(%s); the driver redoes the update with smaller ones", self.role_name, self.group.rank,
                        what, rows, failure)
         raise GroupOutOfMemory(self.role_name, rows, what, failure)
 
-    def _accumulate(self, micro_batches: list[Any], loss_fn, tokens_per_micro_batch: int) -> dict[str, float]:
+    def _accumulate(self, micro_batches: list[Any], loss_fn, tokens: list[int]) -> dict[str, float]:
+        """Gradients summed over `micro_batches`; `tokens`: what each one's activation memory
+        scales with (rows x padded width, or its real tokens when packed), for the
+        allocator's bytes per token."""
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for batch in micro_batches:
+        for batch, batch_tokens in zip(micro_batches, tokens):
             measure = torch.cuda.is_available() and str(self.device).startswith("cuda")
             if measure:
                 torch.cuda.reset_peak_memory_stats()
@@ -282,8 +351,8 @@ class Trainable:
             loss, stats = loss_fn(self.model, batch)
             # FSDP averages gradients over ranks; scale so that it sums them like DDP here.
             (loss * self.world_size if self.sharded else loss).backward()
-            if measure:  # padded tokens: what activation memory scales with
-                self.allocator.observe(torch.cuda.max_memory_allocated() - baseline, tokens_per_micro_batch)
+            if measure:
+                self.allocator.observe(torch.cuda.max_memory_allocated() - baseline, batch_tokens)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         return totals

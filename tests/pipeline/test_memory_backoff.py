@@ -164,8 +164,9 @@ def test_cuda_graph_batch_follows_the_free_memory_read_before_each_request(model
 
 
 def capped_reference(model_dir: str, limit: int) -> ReferenceRole:
-    """Recipe: the reference role on a test model that runs out of memory above `limit` rows."""
-    role = ReferenceRole(model_dir, device="cpu", micro_batch_size=8)
+    """Recipe: the reference role on a test model that runs out of memory above `limit` rows
+    (padded rows: packed, the 4 rows of a shard would be one)."""
+    role = ReferenceRole(model_dir, device="cpu", micro_batch_size=8, pack_sequences=False)
     limit_rows(role.model, limit)
     return role
 
@@ -173,7 +174,7 @@ def capped_reference(model_dir: str, limit: int) -> ReferenceRole:
 def test_a_trainer_step_counts_the_workers_degradations(shared_cluster, shared_config, tiny_model, prompts):
     trainer = HybridTrainer(tiny_model, digit_fraction, shared_config, algorithm="ppo", prompts=prompts,
                             cluster=shared_cluster, steps=1, prompts_per_step=8, max_new_tokens=6,
-                            micro_batch_size=8, show_progress=False)
+                            micro_batch_size=8, pack_sequences=False, show_progress=False)
     shared_cluster.client.register_plugin(RoleHost("reference", functools.partial(capped_reference, tiny_model, 2),
                                                    torch_threads=1), name=plugin_name("reference"))
     [record] = trainer.train()

@@ -1,0 +1,118 @@
+"""One actor optimizer step on one GPU, padded vs packed (issue 21).
+
+Qwen2-0.5B's shape in bf16 with random weights, 256 rows: prompts of 128 tokens, responses
+of geometric length (mean 215, cut at 1024, seeded), the actor's real loss path (Trainable
+.optimizer_step over ActorRole's loss: forward, backward, AdamW) with gradient checkpointing
+as train.gradient_checkpointing defaults to. Two ways:
+
+- padded: micro-batches of 16 rows of the full (P+R) width (train.micro_batch_size: 16,
+  pack_sequences: false);
+- packed: the auto token budget (micro_batch_size: auto) over packed rows.
+
+Each is run twice (the first step warms kernels up and, for the budget, measures bytes per
+token); the second is reported: seconds, tokens computed / real tokens, peak GPU memory,
+micro-batches. A table on stdout and, with --json PATH, one JSON line.
+
+    python benchmarks/packed_update.py --json packed_update.json     # < 2 minutes on an H100
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config  # noqa: E402
+from pipeline.packing import computed_tokens, plan_packing  # noqa: E402
+from pipeline.records import Experience  # noqa: E402
+from pipeline.roles.actor import ActorRole, PolicyStep  # noqa: E402
+from pipeline.roles.training import Trainable  # noqa: E402
+
+
+def experience(rows: int, prompt: int, response: int, mean: float, vocab: int, seed: int) -> Experience:
+    responses = geometric_lengths(rows, mean, response, seed=seed)
+    ids, mask = padded_rows([prompt] * rows, responses, vocab, prompt_width=prompt, response_width=response,
+                            seed=seed)
+    real = mask[:, prompt:].float()
+    generator = torch.Generator().manual_seed(seed + 1)
+    return Experience(input_ids=ids, attention_mask=mask, response_mask=real,
+                      behavior_logprobs=(torch.randn(real.shape, generator=generator) * 0.1 - 2.0) * real,
+                      ref_logprobs=torch.zeros_like(real), advantages=torch.randn(real.shape, generator=generator) * real,
+                      returns=torch.zeros_like(real), old_values=torch.zeros_like(real), prompt_length=prompt)
+
+
+def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool) -> dict:
+    """One optimizer step; what it computed and cost."""
+    step = PolicyStep(clip_ratio=0.2, kl_coef_in_loss=0.0, temperature=1.0, micro_batch_size=micro_batch_size,
+                      epochs=1, is_cap=2.0, normalizers=(float(batch.response_mask.sum()),), next_version=1,
+                      snapshot_dir="", pack_sequences=pack)
+    role = types.SimpleNamespace(device=trainable.device)
+    computed = []
+
+    def loss(model, chunk):
+        rows = chunk[0]
+        computed.append(plan_packing(rows.attention_mask.sum(-1).tolist()).computed_tokens if pack
+                        else rows.input_ids.numel())
+        return ActorRole._loss(role, model, chunk, step, step.normalizers[0], None)
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainable.optimizer_step(lambda rows: (batch.select(rows), None), len(batch), loss, max_rows=micro_batch_size,
+                             tokens_per_row=batch.input_ids.shape[1], row_tokens=computed_tokens(batch, pack))
+    torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - start, "computed_tokens": sum(computed),
+            "real_tokens": int(batch.attention_mask.sum()), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "micro_batches": len(computed), "token_budget": trainable.micro_batch_tokens}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--max-response", type=int, default=1024)
+    parser.add_argument("--mean-response", type=float, default=215.0)
+    parser.add_argument("--layers", type=int, default=24, help="fewer for a quick try")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="append the result as one JSON line to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/packed_update.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from transformers import Qwen2ForCausalLM
+
+    config = qwen2_05b_config(args.layers)
+    batch = experience(args.rows, args.prompt, args.max_response, args.mean_response, config.vocab_size, args.seed)
+    torch.manual_seed(args.seed)
+    initial = Qwen2ForCausalLM(config).to(torch.bfloat16)    # built once (random init of 0.5B takes a while)
+    results = {}
+    for name, micro_batch_size, pack in (("padded", 16, False), ("packed", "auto", True)):
+        trainable = Trainable(lambda: copy.deepcopy(initial), lr=1e-6, strategy="none", device="cuda",
+                              gradient_checkpointing=True, role_name="actor")
+        run(trainable, batch, micro_batch_size, pack)            # warm-up; the budget measures bytes per token
+        results[name] = run(trainable, batch, micro_batch_size, pack)
+        del trainable
+        torch.cuda.empty_cache()
+    print(f"{torch.cuda.get_device_name()}: {args.rows} rows, prompt {args.prompt}, responses geometric mean "
+          f"{args.mean_response:g} cut at {args.max_response}, {args.layers} layers, bf16")
+    print(f"{'':8} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'micro-batches':>14}")
+    for name, r in results.items():
+        print(f"{name:8} {r['seconds']:8.2f} {r['computed_tokens'] / r['real_tokens']:14.2f} {r['peak_gib']:9.1f} "
+              f"{r['micro_batches']:14d}")
+    print(f"speed-up {results['padded']['seconds'] / results['packed']['seconds']:.2f}x")
+    record = {"benchmark": "packed_update", "device": torch.cuda.get_device_name(), **vars(args), **results}
+    if args.json:
+        with open(args.json, "a") as out:
+            out.write(json.dumps(record) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
