@@ -1,5 +1,31 @@
-OUT=${OUT:-/tmp/gpu}; source benchmarks/gpu_setup.sh; export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+#!/usr/bin/env bash
+# Issue-21 figures on one GPU, each part under its own time limit: PARTS="tests engine update grpo256 grpo64"
+# (default: the first three). OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
+OUT=${OUT:-/tmp/gpu-long-tail}
+source benchmarks/gpu_setup.sh
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-python3 -c "import transformers, torch; print(transformers.__version__, torch.__version__)"
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/pipeline/test_engines_gpu.py 2>&1 | grep -v "Loading weights" | tail -25
-timeout 330 python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 --long-tail 0.004 0.0075 --skip-generate --repeats 2 --json $OUT/long_tail.json 2>&1 | grep -v "Loading weights" | tail -20
+python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)"
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "::: $name: $*"
+    timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v -E "Loading weights|Writing model shards|it/s\]$" \
+        | tee "$OUT/$name.log" | grep -v -E "^\s*$|warn" | tail -${TAIL:-30}
+    echo "::: $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+for p in ${PARTS:-tests engine update}; do
+    case $p in
+        tests) part tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/pipeline/test_engines_gpu.py \
+                   tests/pipeline/test_packing_gpu.py ;;
+        engine) part engine 240 python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
+                    --long-tail 0.004 0.0075 --skip-generate --repeats 2 --json "$OUT/long_tail.json" ;;
+        update) part update 150 python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
+        grpo256) part grpo256 420 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --new-tokens 1024 \
+                     --end-probability 0.005 --dask-steps 6 --trl-steps 3 --json "$OUT/grpo256_long.json" ;;
+        grpo256fixed) part grpo256fixed 300 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps 6 \
+                     --trl-steps 3 --json "$OUT/grpo256_fixed.json" ;;
+        grpo64) part grpo64 240 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 8 --dask-steps 8 --trl-steps 3 \
+                    --json "$OUT/grpo64_fixed.json" ;;
+    esac
+done
