@@ -16,13 +16,14 @@ part() {  # part NAME SECONDS COMMAND...
 }
 for p in ${PARTS:-tests engine update}; do
     case $p in
-        tests) part tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/pipeline/test_engines_gpu.py \
-                   tests/pipeline/test_packing_gpu.py ;;
-        engine) part engine 240 python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
+        tests) part tests ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -s \
+                   tests/pipeline/test_engines_gpu.py tests/pipeline/test_packing_gpu.py ${TESTS_K:+-k "$TESTS_K"} ;;
+        engine) part engine ${ENGINE_LIMIT:-240} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
                     --long-tail 0.004 0.0075 --skip-generate --repeats 2 --json "$OUT/long_tail.json" ;;
         update) part update 150 python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
-        grpo256) part grpo256 420 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --new-tokens 1024 \
-                     --end-probability 0.005 --dask-steps 6 --trl-steps 3 --json "$OUT/grpo256_long.json" ;;
+        grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
+                     --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
+                     --json "$OUT/grpo256_long.json" ;;
         grpo256fixed) part grpo256fixed 300 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps 6 \
                      --trl-steps 3 --json "$OUT/grpo256_fixed.json" ;;
         grpo64) part grpo64 240 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 8 --dask-steps 8 --trl-steps 3 \
