@@ -23,7 +23,7 @@ from pipeline.roles.forward import (
     in_row_chunks, response_logprobs, response_logprobs_and_entropy, response_values,
 )
 from pipeline.roles.training import Trainable
-from resources.allocator import AUTO_ROWS, MicroBatchAllocator, token_budget
+from resources.allocator import AUTO_MAX_TOKENS, AUTO_ROWS, MicroBatchAllocator, token_budget
 
 
 # -- plans, by hand ---------------------------------------------------------------------------
@@ -101,6 +101,8 @@ def test_token_budget_maths():
     allocator.observe(peak_bytes=5 * 10**8, tokens=10_000)      # 50 kB a token
     assert allocator.tokens(18432, 10**9) == 10_000             # 0.5 x 1e9 / 5e4: grows past the first
     assert allocator.tokens(18432, None) == 18432               # no reading (CPU)
+    assert allocator.tokens(18432, 10**12) == AUTO_MAX_TOKENS   # 0.5 x 1e12 / 5e4 = 1e7: capped
+    assert allocator.tokens(10**6, None) == AUTO_MAX_TOKENS
 
 
 # -- packed == padded on a real model ---------------------------------------------------------
