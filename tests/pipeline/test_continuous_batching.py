@@ -110,3 +110,27 @@ def test_slot_run_reports_use_and_refills_in_groups(model_and_tokenizer):
         hook.remove()
     assert prefills[0] == 32 and sum(prefills) == 96
     assert all(count >= 2 for count in prefills[1:-1]), prefills
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_serves_refills_and_a_second_request(tiny_model):
+    """torch.compile traces the decode step with its slot cache (Inductor on the CPU here; on
+    a GPU the same graph is captured as a CUDA graph, `-m gpu`): logprobs still equal the
+    actor's, and a second request of the same shapes compiles nothing new."""
+    import torch._dynamo.utils
+
+    model, tokenizer = load_causal_lm(tiny_model), load_tokenizer(tiny_model)
+    eos = tokenizer.eos_token_id
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu", compile=True,
+                             max_batch_size=16)
+    hook = _eos_bias(model, eos, 2.0)
+    try:
+        engine.generate(_request(tokenizer, prompts=16, samples=4, new_tokens=24, seed=1), 0)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        request = _request(tokenizer, prompts=16, samples=4, new_tokens=24, seed=2)
+        rollout = engine.generate(request, 0)
+        _check_against_the_actor(model, request, rollout, eos)
+    finally:
+        hook.remove()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert engine.last_stats["slots"] == 16 and engine.last_stats["tokens"] == int(rollout.response_mask.sum())
