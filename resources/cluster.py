@@ -31,6 +31,13 @@ DASK_SETTINGS = {
     # A worker loading a large model in its plugin sends no heartbeat until setup ends;
     # the default 5 minutes would have the scheduler restart it in a loop.
     "distributed.scheduler.worker-ttl": "15 minutes",
+    # A SpecCluster closes the Nanny of a worker that has not registered again this long
+    # after the scheduler lost it (Dask's default: 15 s), even while that Nanny is still
+    # restarting it; the role then loses the worker for good. On a busy machine a killed
+    # worker's replacement can take longer to start, and one removal's timer can fire while
+    # a later restart (a stuck rank freed after a lost peer) is under way. The Nanny owns
+    # the restart here: give it as long as a model load.
+    "distributed.deploy.lost-worker-timeout": "15 minutes",
     # Models are the workers' memory, not Dask data: no spilling, pausing or killing.
     "distributed.worker.memory.target": False,
     "distributed.worker.memory.spill": False,
