@@ -114,6 +114,66 @@ def test_an_actor_rank_killed_during_its_update_costs_one_redo_and_changes_nothi
     assert seconds < fault_free[2] + 60
 
 
+def _kill_during_generation(cluster, pid: int, after_batch: int = 0) -> threading.Thread:
+    """Kill `pid` while a rollout of a batch after `after_batch` generates (keys read
+    rollout-generate-<batch>-<shard>-...): one the policy of an earlier update generates."""
+    def batch_generating() -> bool:
+        running = [str(k).split("-") for keys in cluster.client.processing().values() for k in keys]
+        return any(k[:2] == ["rollout", "generate"] and k[2].isdigit() and int(k[2]) > after_batch for k in running)
+
+    def watch():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if batch_generating():
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _hold_the_replacement(cluster, name: str, killed: int, seconds: float) -> threading.Thread:
+    """Stop (SIGSTOP) the process the Nanny of worker `name` starts after `killed` dies, before
+    it registers, and let it go `seconds` later: a restart as slow as a busy machine makes it."""
+    nanny = cluster.cluster.workers[name]
+
+    def hold():
+        deadline = time.monotonic() + 120
+        while nanny.pid in (None, killed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        replacement = nanny.pid
+        os.kill(replacement, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(replacement, signal.SIGCONT)
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow  # waits out Dask's 15 s lost-worker timeout on purpose
+def test_an_actor_rank_killed_during_generation_whose_restart_is_slow_still_comes_back(
+        fault_cluster, fault_free, tiny_model, prompts):
+    """A kill while a later step's rollout generates, and a replacement that takes longer
+    than Dask's 15 s lost-worker timeout to start (a busy machine): Dask closed that Nanny
+    under its restart, no actor worker came back and the run ended with RoleTimeout."""
+    name, killed = fault_cluster.workers_of("actor")[1]["name"], _pids(fault_cluster, "actor")[1]
+    holders = []
+
+    def fault(trainer):
+        holders.append(_hold_the_replacement(fault_cluster, name, killed, seconds=17))
+        return _kill_during_generation(fault_cluster, killed)
+
+    records, final, seconds = _train(fault_cluster, tiny_model, prompts, steps=3, fault=fault)
+    holders[0].join(timeout=30)
+    pids = _pids(fault_cluster, "actor")
+    assert len(pids) == 2 and killed not in pids                     # the held replacement joined
+    _assert_same_run(records, final, fault_free)
+    assert seconds < fault_free[2] + 60                             # not timeout_seconds (120 s) later
+
+
 @pytest.mark.slow
 def test_a_critic_killed_during_its_update_comes_back_with_its_state(fault_cluster, fault_free, tiny_model,
                                                                      prompts):
