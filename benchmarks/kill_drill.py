@@ -1,7 +1,7 @@
 """The kill drill: kill -9 an actor worker while a step's rollout generates, over and over,
 with busy loops competing for the CPU, and count the runs that did not finish.
 
-Each run trains a few PPO steps on one cluster (two DDP actor ranks); once the first update
+Each run trains a few GRPO steps on one cluster (two DDP actor ranks); once the first update
 is in, an actor rank is killed as soon as a rollout task is running. Its Nanny starts a
 replacement, which resumes the recovery state, and the run must end with consecutive
 versions. A run that fails is printed with its error; the cluster is then started afresh.
@@ -34,16 +34,16 @@ from resources import load_resource_config
 from resources.cluster import RoleCluster
 from resources.plan import plan_workers
 
+# GRPO without a reference (kl_coef 0): the actor's two ranks, one rollout and one reward
+# worker, so a run is a few seconds and the kill is most of what it measures.
 LAYOUT = {
     "actor": {"device_type": "cpu", "workers": 2, "strategy": "ddp"},
-    "critic": {"device_type": "cpu", "workers": 1},
-    "reference": {"device_type": "cpu", "workers": 1},
     "reward": {"device_type": "cpu", "workers": 1},
     "rollout": {"device_type": "cpu", "workers": 1},
     "timeout_seconds": 60,
 }
-PPO = dict(algorithm="ppo", samples_per_prompt=2, prompts_per_step=4, max_new_tokens=16, actor_lr=1e-2,
-           critic_lr=1e-2, kl_coef=0.05, micro_batch_size=4, show_progress=False, seed=3)
+GRPO = dict(algorithm="grpo", samples_per_prompt=2, prompts_per_step=4, max_new_tokens=16, actor_lr=1e-2,
+            kl_coef=0.0, micro_batch_size=4, show_progress=False, seed=3)
 PROMPTS = [f"what is {a} plus {b}? answer: " for a in range(8) for b in range(4)]
 
 
@@ -60,26 +60,31 @@ def actor_pids(cluster: RoleCluster) -> list[int]:
 
 def kill_during_rollout(cluster: RoleCluster, trainer: HybridTrainer, pid: int) -> threading.Thread:
     """Kill `pid` once v1 is published and a rollout task runs (the next step's generation)."""
+    def rollout_of_a_later_step() -> bool:
+        if trainer.fleet.version < 1:
+            return False
+        return any(str(k).startswith("rollout-generate") for keys in cluster.client.processing().values()
+                   for k in keys)
+
     def watch():
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if trainer.fleet.version >= 1:
-                running = [str(k) for keys in cluster.client.processing().values() for k in keys]
-                if any(k.startswith("rollout-generate") for k in running):
-                    time.sleep(random.uniform(0.0, 0.2))
-                    os.kill(pid, signal.SIGKILL)
-                    return
+        while not rollout_of_a_later_step():
+            if time.monotonic() > deadline:
+                return  # the run ended first: one_run reports that the kill never came
             time.sleep(0.01)
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+        time.sleep(random.uniform(0.0, 0.2))  # anywhere in the generation, or just after it
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=watch, daemon=True, name="kill-drill")
+    killer.start()
+    return killer
 
 
 def one_run(cluster: RoleCluster, model: str, steps: int) -> str | None:
     """None when the run ended with consecutive versions; else what went wrong."""
     pid = random.choice(actor_pids(cluster))
     trainer = HybridTrainer(model, digit_fraction, load_resource_config(LAYOUT), prompts=PROMPTS,
-                            cluster=cluster, steps=steps, **PPO)
+                            cluster=cluster, steps=steps, **GRPO)
     try:
         killer = kill_during_rollout(cluster, trainer, pid)
         records = trainer.train()

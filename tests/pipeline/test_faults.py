@@ -51,20 +51,25 @@ def _pids(cluster, role: str) -> list[int]:
             for w in cluster.workers_of(role)]
 
 
-def _kill_when_running(cluster, role: str, task: str, pid: int) -> threading.Thread:
-    """Kill `pid` as soon as a `role` task whose key starts `role-task` is running."""
+def _kill_once(cluster, pid: int, due, settle: float = 0.0) -> threading.Thread:
+    """Kill `pid` as soon as `due(keys of the running tasks)` holds, `settle` seconds later."""
     def watch():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            running = [k for keys in cluster.client.processing().values() for k in keys]
-            if any(str(k).startswith(f"{role}-{task}") for k in running):
-                time.sleep(0.05)   # inside the task, not at its start
+            if due([str(k) for keys in cluster.client.processing().values() for k in keys]):
+                time.sleep(settle)
                 os.kill(pid, signal.SIGKILL)
                 return
-            time.sleep(0.01)
+            time.sleep(0.005)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+def _kill_when_running(cluster, role: str, task: str, pid: int) -> threading.Thread:
+    """Kill `pid` as soon as a `role` task whose key starts `role-task` is running."""
+    return _kill_once(cluster, pid, lambda keys: any(k.startswith(f"{role}-{task}") for k in keys),
+                      settle=0.05)  # inside the task, not at its start
 
 
 def _train(cluster, tiny_model, prompts, steps: int, fault=None, strategy: str = "ddp"):
@@ -117,20 +122,10 @@ def test_an_actor_rank_killed_during_its_update_costs_one_redo_and_changes_nothi
 def _kill_during_generation(cluster, pid: int, after_batch: int = 0) -> threading.Thread:
     """Kill `pid` while a rollout of a batch after `after_batch` generates (keys read
     rollout-generate-<batch>-<shard>-...): one the policy of an earlier update generates."""
-    def batch_generating() -> bool:
-        running = [str(k).split("-") for keys in cluster.client.processing().values() for k in keys]
-        return any(k[:2] == ["rollout", "generate"] and k[2].isdigit() and int(k[2]) > after_batch for k in running)
-
-    def watch():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if batch_generating():
-                os.kill(pid, signal.SIGKILL)
-                return
-            time.sleep(0.005)
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    def generating(keys: list[str]) -> bool:
+        parts = [key.split("-") for key in keys]
+        return any(p[:2] == ["rollout", "generate"] and p[2].isdigit() and int(p[2]) > after_batch for p in parts)
+    return _kill_once(cluster, pid, generating)
 
 
 def _hold_the_replacement(cluster, name: str, killed: int, seconds: float) -> threading.Thread:
