@@ -31,6 +31,13 @@ DASK_SETTINGS = {
     # A worker loading a large model in its plugin sends no heartbeat until setup ends;
     # the default 5 minutes would have the scheduler restart it in a loop.
     "distributed.scheduler.worker-ttl": "15 minutes",
+    # A SpecCluster closes the Nanny of a worker that has not registered again this long
+    # after the scheduler lost it (Dask's default: 15 s), even while that Nanny is still
+    # restarting it; the role then loses the worker for good. On a busy machine a killed
+    # worker's replacement can take longer to start, and one removal's timer can fire while
+    # a later restart (a stuck rank freed after a lost peer) is under way. The Nanny owns
+    # the restart here: give it as long as a model load.
+    "distributed.deploy.lost-worker-timeout": "15 minutes",
     # Models are the workers' memory, not Dask data: no spilling, pausing or killing.
     "distributed.worker.memory.target": False,
     "distributed.worker.memory.spill": False,
@@ -374,7 +381,16 @@ class RoleCluster:
                     if n]
         busy = [a for a in busy if a in live_workers(self.client)]
         if busy:
-            self.client.restart_workers(busy, timeout=timeout)
+            # The scheduler gives each Nanny its own 5 s to stop the process (4 s, then SIGKILL
+            # and 1 s to reap it), whatever `timeout` says; on a busy machine that can run out
+            # although the process is gone. The Nanny still starts the replacement when it
+            # sees the exit, and the caller waits for it (Fleet.await_replacements): reported
+            # here, not raised.
+            outcome = self.client.restart_workers(busy, timeout=timeout, raise_for_error=False)
+            late = {address: state for address, state in outcome.items() if state != "OK"}
+            if late:
+                logger.warning("dask-rl: restarting %s did not finish in time (%s); waiting for the Nannies",
+                               sorted(late), late)
         return busy
 
     def retire(self, addresses: list[str]) -> None:

@@ -27,7 +27,10 @@ from resources.cluster import submit
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 GENEROUS = 120.0  # a bound no healthy call comes near, even on a two-core machine loaded 20 times over
-SHORT = 10        # the timeout for calls meant to run past it (they sleep 600 s)
+# The timeout for calls meant to run past it (they sleep 600 s). The other calls under it
+# return at once (a child's start and load are not counted in a call's timeout), so a few
+# seconds are still a wide margin on a loaded machine; each test waits it out once.
+SHORT = 4
 
 
 def nap(seconds: float) -> float:
@@ -111,7 +114,7 @@ def test_a_call_past_the_timeout_costs_that_call_only():
         took = time.monotonic() - began
         [(second_pid, _)] = calls.run(child_pid, [((), {})])
     assert results == [(0, None), (None, f"timed out after {SHORT} s"), (0.01, None), (0, None)]
-    assert took < GENEROUS          # bounded: the 600 s call cost 10 s plus a fresh child's start
+    assert took < GENEROUS          # bounded: the 600 s call cost SHORT plus a fresh child's start
     assert first_pid != second_pid  # the sleeper's child was killed and replaced ...
     assert not exists(first_pid)    # ... and reaped, not left a zombie
 

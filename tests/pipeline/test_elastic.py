@@ -66,6 +66,10 @@ def test_bad_requests_change_nothing(elastic_cluster, tiny_model, prompts):
     assert {role: _names(elastic_cluster, role) for role in trainer.roles} == before
 
 
+# Over 20 s on 2 cores, and with the kill test below the only default test on a cluster of
+# its own. The slow suite moves a worker while training runs in test_adaptive_cpu.py (a
+# rollout worker added, a reward worker drained and retired, versions consecutive).
+@pytest.mark.slow
 def test_rollout_grows_and_shrinks_while_training_runs(elastic_cluster, tiny_model, prompts):
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             cluster=elastic_cluster, steps=8, **GRPO)
@@ -135,6 +139,9 @@ def _actor_strategy() -> str:
     return role_state("actor").trainer.strategy
 
 
+# Over 20 s on 2 cores; the slow suite's random-moment drill (test_faults.py) kills the
+# rollout worker of a running 10-step run the same way.
+@pytest.mark.slow
 def test_killed_rollout_worker_costs_no_batch(elastic_cluster, tiny_model, prompts):
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(LAYOUT), prompts=prompts,
                             cluster=elastic_cluster, steps=4, **{**GRPO, "max_new_tokens": 48,

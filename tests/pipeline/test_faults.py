@@ -51,20 +51,25 @@ def _pids(cluster, role: str) -> list[int]:
             for w in cluster.workers_of(role)]
 
 
-def _kill_when_running(cluster, role: str, task: str, pid: int) -> threading.Thread:
-    """Kill `pid` as soon as a `role` task whose key starts `role-task` is running."""
+def _kill_once(cluster, pid: int, due, settle: float = 0.0) -> threading.Thread:
+    """Kill `pid` as soon as `due(keys of the running tasks)` holds, `settle` seconds later."""
     def watch():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            running = [k for keys in cluster.client.processing().values() for k in keys]
-            if any(str(k).startswith(f"{role}-{task}") for k in running):
-                time.sleep(0.05)   # inside the task, not at its start
+            if due([str(k) for keys in cluster.client.processing().values() for k in keys]):
+                time.sleep(settle)
                 os.kill(pid, signal.SIGKILL)
                 return
-            time.sleep(0.01)
+            time.sleep(0.005)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+def _kill_when_running(cluster, role: str, task: str, pid: int) -> threading.Thread:
+    """Kill `pid` as soon as a `role` task whose key starts `role-task` is running."""
+    return _kill_once(cluster, pid, lambda keys: any(k.startswith(f"{role}-{task}") for k in keys),
+                      settle=0.05)  # inside the task, not at its start
 
 
 def _train(cluster, tiny_model, prompts, steps: int, fault=None, strategy: str = "ddp"):
@@ -112,6 +117,56 @@ def test_an_actor_rank_killed_during_its_update_costs_one_redo_and_changes_nothi
     _assert_same_run(records, final, fault_free)
     # The redo started when the loss was seen: far less than the 120 s timeout.
     assert seconds < fault_free[2] + 60
+
+
+def _kill_during_generation(cluster, pid: int, after_batch: int = 0) -> threading.Thread:
+    """Kill `pid` while a rollout of a batch after `after_batch` generates (keys read
+    rollout-generate-<batch>-<shard>-...): one the policy of an earlier update generates."""
+    def generating(keys: list[str]) -> bool:
+        parts = [key.split("-") for key in keys]
+        return any(p[:2] == ["rollout", "generate"] and p[2].isdigit() and int(p[2]) > after_batch for p in parts)
+    return _kill_once(cluster, pid, generating)
+
+
+def _hold_the_replacement(cluster, name: str, killed: int, seconds: float) -> threading.Thread:
+    """Stop (SIGSTOP) the process the Nanny of worker `name` starts after `killed` dies, before
+    it registers, and let it go `seconds` later: a restart as slow as a busy machine makes it."""
+    nanny = cluster.cluster.workers[name]
+
+    def hold():
+        deadline = time.monotonic() + 120
+        while nanny.pid in (None, killed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        replacement = nanny.pid
+        os.kill(replacement, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(replacement, signal.SIGCONT)
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow  # waits out Dask's 15 s lost-worker timeout on purpose
+def test_an_actor_rank_killed_during_generation_whose_restart_is_slow_still_comes_back(
+        fault_cluster, fault_free, tiny_model, prompts):
+    """A kill while a later step's rollout generates, and a replacement that takes longer
+    than Dask's 15 s lost-worker timeout to start (a busy machine): Dask closed that Nanny
+    under its restart, no actor worker came back and the run ended with RoleTimeout."""
+    name, killed = fault_cluster.workers_of("actor")[1]["name"], _pids(fault_cluster, "actor")[1]
+    holders = []
+
+    def fault(trainer):
+        holders.append(_hold_the_replacement(fault_cluster, name, killed, seconds=17))
+        return _kill_during_generation(fault_cluster, killed)
+
+    records, final, seconds = _train(fault_cluster, tiny_model, prompts, steps=3, fault=fault)
+    holders[0].join(timeout=30)
+    pids = _pids(fault_cluster, "actor")
+    assert len(pids) == 2 and killed not in pids                     # the held replacement joined
+    _assert_same_run(records, final, fault_free)
+    assert seconds < fault_free[2] + 60                             # not timeout_seconds (120 s) later
 
 
 @pytest.mark.slow

@@ -89,7 +89,10 @@ def remote(processes):
     """A `dask-rl scheduler` and one `dask-rl worker` per GRPO role, all separate processes."""
     proc, log = processes.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0")
     (address,) = processes.wait_for(proc, log, r"scheduler at (tcp://\S+)", timeout=60)
-    workers = {role: processes.worker(address, role) for role in GRPO_ROLES}
+    # Started together, then awaited: on 2 cores each one's start is mostly importing torch.
+    started = {role: processes.start("worker", address, "--role", role) for role in GRPO_ROLES}
+    workers = {role: (worker, processes.wait_for(worker, log, rf"joined \S+ as (tcp://\S+)")[0])
+               for role, (worker, log) in started.items()}
     return {"address": address, "scheduler": proc, "workers": workers}
 
 
