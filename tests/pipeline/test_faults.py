@@ -115,8 +115,9 @@ def test_an_actor_rank_killed_during_its_update_costs_one_redo_and_changes_nothi
                                      strategy=strategy)
     assert killed not in _pids(fault_cluster, "actor")               # it did die (the Nanny restarted it)
     _assert_same_run(records, final, fault_free)
-    # The redo started when the loss was seen: far less than the 120 s timeout.
-    assert seconds < fault_free[2] + 60
+    # The redo started when the loss was seen, not after waiting out timeout_seconds (a
+    # replacement's start is left out of the bound: on a loaded machine it alone takes 30-60 s).
+    assert seconds < fault_free[2] + LAYOUT["timeout_seconds"]
 
 
 def _kill_during_generation(cluster, pid: int, after_batch: int = 0) -> threading.Thread:
@@ -166,7 +167,7 @@ def test_an_actor_rank_killed_during_generation_whose_restart_is_slow_still_come
     pids = _pids(fault_cluster, "actor")
     assert len(pids) == 2 and killed not in pids                     # the held replacement joined
     _assert_same_run(records, final, fault_free)
-    assert seconds < fault_free[2] + 60                             # not timeout_seconds (120 s) later
+    assert seconds < fault_free[2] + LAYOUT["timeout_seconds"]      # not after waiting out the timeout
 
 
 @pytest.mark.slow
