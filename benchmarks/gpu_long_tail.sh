@@ -23,7 +23,7 @@ for p in ${PARTS:-tests engine update}; do
         update) part update 150 python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
-                     --json "$OUT/grpo256_long.json" ;;
+                     ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_long.json" ;;
         grpo256fixed) part grpo256fixed 300 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps 6 \
                      --trl-steps 3 --json "$OUT/grpo256_fixed.json" ;;
         grpo64) part grpo64 240 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 8 --dask-steps 8 --trl-steps 3 \
