@@ -72,10 +72,10 @@ def _kill_when_running(cluster, role: str, task: str, pid: int) -> threading.Thr
                       settle=0.05)  # inside the task, not at its start
 
 
-def _train(cluster, tiny_model, prompts, steps: int, fault=None, strategy: str = "ddp"):
+def _train(cluster, tiny_model, prompts, steps: int, fault=None, strategy: str = "ddp", **options):
     layout = {**LAYOUT, "actor": {**LAYOUT["actor"], "strategy": strategy}}
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(layout), prompts=prompts,
-                            cluster=cluster, steps=steps, **PPO)
+                            cluster=cluster, steps=steps, **{**PPO, **options})
     try:
         watcher = fault(trainer) if fault else None
         start = time.monotonic()
@@ -97,8 +97,14 @@ def _assert_same_run(records, final, reference):
     ref_records, ref_final, _ = reference
     assert [r.policy_version for r in records] == [1, 2, 3]        # each update once, none lost
     assert [r.reward_mean for r in records] == [r.reward_mean for r in ref_records]
+    # The same sums in another order where the group was rebuilt or sharded (FSDP gathers the
+    # whole model's logits of packed rows, DDP projects them in chunks): float32 rounding,
+    # which Adam's first steps magnify for weights whose gradient is near 0 (its eps). All
+    # weights agree within 1e-4, and all but a few within 1e-6 (test_data_parallel likewise).
     for name, tensor in ref_final.items():
-        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-4, msg=lambda text: f"{name}: {text}")
+    differ = sum(int(((final[name] - tensor).abs() > 1e-6).sum()) for name, tensor in ref_final.items())
+    assert differ <= 5e-3 * sum(t.numel() for t in ref_final.values()), differ
 
 
 # Each drill kills and restarts workers of its own cluster: CI runs them in the slow suite.
@@ -251,10 +257,13 @@ def test_an_out_of_memory_error_on_one_fsdp_rank_halves_its_micro_batches_and_ch
         trainer.fleet.client.register_plugin(RoleHost("actor", functools.partial(oom_on_rank_one, recipe, 2),
                                                       torch_threads=1), name=plugin_name("actor"))
 
-    records, final, _ = _train(fault_cluster, tiny_model, prompts, steps=3, fault=inject, strategy="fsdp")
+    # Unpacked: the injected error counts the rows a forward gets, and packing puts a micro-batch's
+    # short rows into one packed row.
+    records, final, _ = _train(fault_cluster, tiny_model, prompts, steps=3, fault=inject, strategy="fsdp",
+                               pack_sequences=False)
     # Each update once, and the weights of a run that never hit the error: one whose actor
     # used the size this run settled at from the start (the failed attempt left no trace).
-    settled = _train(fault_cluster, tiny_model, prompts, steps=3, strategy="fsdp",
+    settled = _train(fault_cluster, tiny_model, prompts, steps=3, strategy="fsdp", pack_sequences=False,
                      fault=lambda trainer: trainer.update.micro_batch_caps.update(actor=2))
     _assert_same_run(records, final, settled)
     assert [r.oom_backoffs for r in settled[0]] == [0, 0, 0]
