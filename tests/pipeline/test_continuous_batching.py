@@ -81,8 +81,8 @@ def test_the_tail_moves_into_fewer_slots(model_and_tokenizer):
     finally:
         hook.remove()
     assert lengths.float().mean() < 15 and lengths.max() > 30, "long-tailed lengths"
-    # Once at most a quarter of the 64 slots were live, they moved into a cache of 16 (then 8? no:
-    # a cache of 16 moves on only when a quarter of it, 4, would fill 8 slots, which is not below).
+    # Once at most a quarter of the 64 slots were live, they moved into a cache of 16; that one
+    # stays (a quarter of it is below the smallest cache, 8 slots).
     assert sorted(slots for slots, _ in engine._caches) == [16, 64]
 
 
