@@ -38,11 +38,13 @@ def test_first_fit_decreasing_by_hand():
 
 
 def test_capacity_and_width():
-    assert pack_capacity(1000) == 2048           # the fixed capacity where it is larger
-    assert pack_capacity(2049) == 2112           # else the longest, rounded up to 64
-    plan = plan_packing([10, 20])
-    assert plan.bins == ((1, 0),) and plan.width == 64 and plan.computed_tokens == 64 and plan.real_tokens == 30
-    assert plan_packing([100, 100, 100], capacity=128).width == 128   # never wider than the capacity
+    assert pack_capacity(1000) == 1008           # the longest, rounded up to 16
+    assert pack_capacity(1008) == 1008
+    plan = plan_packing([10, 20, 25])              # capacity 32: 25 alone, then 20 + 10
+    assert plan.bins == ((2,), (1, 0)) and plan.width == 32 and plan.computed_tokens == 64
+    assert plan.real_tokens == 55
+    assert plan_packing([100, 100, 100], capacity=120).width == 112   # the fullest row, rounded up to 16
+    assert plan_packing([100, 100, 100], capacity=104).width == 104   # never wider than the capacity
 
 
 def test_pack_rows_layout_and_the_mask_transformers_reads_from_it():
