@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-NAME = "dask_rl_packed_gqa"
 
 
 def packed_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -38,22 +37,3 @@ def packed_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     # A (B, 1, 1, L) mask broadcasts over the kv heads and the group's query heads alike.
     output = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return output.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
-
-
-def use_packed_gqa(model) -> bool:
-    """Switch `model` to packed_gqa_attention when it runs transformers' SDPA attention
-    (the default); a model loaded with another implementation (flash, eager) keeps it.
-    Returns whether the model now uses it."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    current = getattr(model.config, "_attn_implementation", None)
-    if current == NAME:
-        return True
-    if current != "sdpa" or not hasattr(model, "set_attn_implementation"):
-        return False
-    AttentionInterface.register(NAME, packed_gqa_attention)
-    # The same masks as SDPA: transformers builds none for an implementation it does not know.
-    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    model.set_attn_implementation(NAME)
-    return True

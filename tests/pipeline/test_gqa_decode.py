@@ -1,6 +1,8 @@
-"""Packed grouped-query decode attention (pipeline/engines/gqa_decode.py): the logits of a
-left-padded prefill and decode steps over a StaticCache equal transformers' eager attention,
-and each decode step attends to the cache's own KV heads, never a per-query-head copy."""
+"""Packed grouped-query decode attention (pipeline/engines/gqa_decode.py), as the cuda_graph
+engine's attention (slots.slot_attention) runs it for a forward without a slot cache: the
+logits of a left-padded prefill and decode steps over a StaticCache equal transformers' eager
+attention, and each decode step attends to the cache's own KV heads, never a per-query-head
+copy."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from pipeline.engines import gqa_decode
+from pipeline.engines import slots
 
 
 def _model(attention: str):
@@ -51,7 +53,8 @@ def _decode(model, steps: int = 6) -> torch.Tensor:
 def test_packed_decode_equals_eager_attention_and_reads_the_cache_as_stored(monkeypatch):
     reference = _decode(_model("eager"))
     model = _model("sdpa")
-    assert gqa_decode.use_packed_gqa(model) and model.config._attn_implementation == gqa_decode.NAME
+    slots.use_slot_attention(model)
+    assert model.config._attn_implementation == slots.NAME
 
     shapes = []
     sdpa = F.scaled_dot_product_attention
@@ -69,7 +72,9 @@ def test_packed_decode_equals_eager_attention_and_reads_the_cache_as_stored(monk
     assert all(q == (3, 2, 4, 16) and k[1] == 2 for q, k in decode_calls)
 
 
-def test_a_model_with_another_attention_keeps_it():
+def test_a_model_loaded_with_eager_attention_switches_too():
     model = _model("eager")
-    assert not gqa_decode.use_packed_gqa(model)
-    assert model.config._attn_implementation == "eager"
+    reference = _decode(model)
+    slots.use_slot_attention(model)
+    assert model.config._attn_implementation == slots.NAME
+    torch.testing.assert_close(_decode(model), reference, atol=1e-5, rtol=0)
