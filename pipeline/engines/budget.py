@@ -23,13 +23,19 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token adds to the cache, over all layers."""
+def kv_layout(config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim): what a KV cache holds per token."""
     text = _text_config(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token adds to the cache, over all layers."""
+    layers, kv_heads, head_dim = kv_layout(config)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def sequence_bytes(config, dtype: torch.dtype, prompt_length: int, length: int, cache_copies: int = 1) -> int:

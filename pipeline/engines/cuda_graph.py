@@ -17,7 +17,7 @@ of a decode step launching kernels from Python. Here:
   torch.compile in "reduce-overhead" mode, which captures it as a CUDA graph and replays it;
 - only the sampled token and its logprob leave the step (S values each), never the logits;
 - sequences stop at any of the request's stop ids (a device tensor: no host sync) and,
-  checked on the host every EOS_CHECK_EVERY steps, at its stop strings; the rollout is cut
+  checked on the host every continuous.EOS_CHECK_EVERY steps, at its stop strings; the rollout is cut
   exactly at each row's stop;
 - prompt lengths are rounded up to a multiple of `prompt_bucket` and slots to a power of
   two, so a run compiles a bounded number of graphs (one per slot count and ring length);
@@ -37,20 +37,17 @@ from typing import Callable
 
 import torch
 
-from pipeline.engines.budget import HEADROOM, fitting_rows, kv_bytes_per_token, power_of_two_below, sequence_bytes
-from pipeline.engines.continuous import EOS_CHECK_EVERY, SlotRun, bucket_batch
+from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
+from pipeline.engines.continuous import SlotRun, bucket_batch
 from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of
 from pipeline.engines.sampling import sample_tokens
-from pipeline.engines.slots import SlotCache, use_slot_attention
+from pipeline.engines.slots import SlotCache, slot_cache_bytes, use_slot_attention
 from pipeline.records import GenerationRequest, Rollout
 from resources.allocator import (
     LOW_FREE_MEMORY, OUT_OF_MEMORY, MicroBatchAllocator, first_line, free_bytes, release_cached, report,
 )
 
 logger = logging.getLogger("dask_rl")
-
-__all__ = ["CudaGraphEngine", "EOS_CHECK_EVERY", "bucket_batch", "bucket_length", "sample_tokens"]
-
 
 def bucket_length(length: int, step: int) -> int:
     return max(step, -(-length // step) * step)
@@ -114,10 +111,10 @@ class CudaGraphEngine:
             except torch.OutOfMemoryError as error:
                 failure = first_line(error)
             # Outside the except block: its traceback held the failed attempt's tensors.
-            smaller = MicroBatchAllocator.backoff(self.batch)
-            self._shrink(smaller)
+            failed_at = self.batch
+            self._shrink(MicroBatchAllocator.backoff(failed_at))
             release_cached(self.device)
-            report("generation", smaller * 2, smaller, "sequences per batch", OUT_OF_MEMORY, failure)
+            report("generation", failed_at, self.batch, "sequences per batch", OUT_OF_MEMORY, failure)
         ids, mask = left_pad(prompts, self.pad_id, width=width)
         return assemble_rollout(ids, mask, responses, logprobs, groups, stop_ids_of(request, self.eos_id),
                                 policy_version, pad_id=self.pad_id, decode=self.decode,
@@ -153,7 +150,7 @@ class CudaGraphEngine:
     def _generate_in_slots(self, prompts: list[list[int]], width: int, request: GenerationRequest
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every prompt's response through the slots -> (N, T) responses (pad after a stop
-        id; a stop string may be overshot by up to EOS_CHECK_EVERY tokens, cut by
+        id; a stop string may be overshot by up to continuous.EOS_CHECK_EVERY tokens, cut by
         assemble_rollout) and their logprobs, on the CPU."""
         run = SlotRun(self, prompts, width, request, min(self.batch, bucket_batch(len(prompts))))
         tokens, logprobs = run.run()
@@ -172,7 +169,7 @@ class CudaGraphEngine:
         key = (slots, length)
         if key not in self._caches:
             dtype = next(self.model.parameters()).dtype
-            need = kv_bytes_per_token(self.model.config, dtype) * slots * length
+            need = slot_cache_bytes(self.model.config, dtype, slots, length)
             free = free_bytes(self.device)
             if free is not None and free < need / HEADROOM and self._caches:
                 logger.info("dask-rl: cuda_graph engine: dropping %d KV caches to make room", len(self._caches))

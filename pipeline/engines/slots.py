@@ -23,10 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.engines.budget import kv_bytes_per_token
+from pipeline.engines.budget import kv_bytes_per_token, kv_layout
 from pipeline.engines.gqa_decode import packed_gqa_attention
 
 NAME = "dask_rl_slots"
+
+
+def slot_cache_bytes(config, dtype: torch.dtype, slots: int, length: int) -> int:
+    """What a SlotCache of `slots` x `length` holds."""
+    return kv_bytes_per_token(config, dtype) * slots * length
 
 
 class SlotCache:
@@ -35,15 +40,12 @@ class SlotCache:
     captured graphs keep pointing at them)."""
 
     def __init__(self, config, slots: int, length: int, dtype: torch.dtype, device):
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layers, kv_heads, head_dim = kv_layout(config)
         shape = (slots, kv_heads, length, head_dim)
         self.slots, self.length = slots, length
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
-        self.nbytes = kv_bytes_per_token(config, dtype) * slots * length
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.nbytes = slot_cache_bytes(config, dtype, slots, length)
         if torch.device(device).type == "cuda":
             for tensor in (*self.keys, *self.values):   # mutated inside captured graphs
                 torch._dynamo.mark_static_address(tensor)

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from pipeline.engines.cuda_graph import CudaGraphEngine, bucket_batch, bucket_length, sample_tokens
+from pipeline.engines.continuous import bucket_batch
+from pipeline.engines.cuda_graph import CudaGraphEngine, bucket_length
+from pipeline.engines.sampling import sample_tokens
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
 from pipeline.records import GenerationRequest

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engines.cuda_graph import CudaGraphEngine, sample_tokens
+from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine, assemble_rollout, response_mask_until_stop, stop_string_ends
-from pipeline.engines.sampling import filter_logits, stop_string_end
+from pipeline.engines.sampling import filter_logits, sample_tokens, stop_string_end
 from pipeline.models import create_tiny_model, load_causal_lm, load_tokenizer, stop_token_ids
 from pipeline.records import GenerationRequest
 from pipeline.rewards import digit_fraction
