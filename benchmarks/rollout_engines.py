@@ -102,12 +102,13 @@ def bench_long_tail(model, batch: int, prompt: int, new: int, probabilities: lis
                "expected_mean_length": mean_geometric_length(probability, new) if probability else new,
                "mean_length": useful / (batch * repeats), "decode_steps": statistics.mean(s["decode_steps"] for s in stats),
                "seconds": seconds / repeats, "useful_tokens_per_second": useful / seconds,
-               "slot_use": statistics.mean(s["slot_use"] for s in stats)}
+               "slot_use": statistics.mean(s["slot_use"] for s in stats), "step_ms": stats[-1]["step_ms"]}
         rows.append(row)
         print(f"cuda_graph batch {batch}, end probability {probability:<6}: mean length {row['mean_length']:6.1f} "
               f"(expected {row['expected_mean_length']:.0f}), {row['decode_steps']:6.0f} decode steps, "
               f"{row['seconds']:5.2f} s, {row['useful_tokens_per_second']:>8,.0f} useful tokens/s, "
-              f"slot use {row['slot_use']:.2f}", flush=True)
+              f"slot use {row['slot_use']:.2f}; ms a decode step at each slot count: "
+              + ", ".join(f"{slots}: {ms:.2f}" for slots, ms in row["step_ms"].items()), flush=True)
     full = rows[0]["useful_tokens_per_second"]
     for row in rows[1:]:
         print(f"  end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x below the "

@@ -4,8 +4,9 @@ The request's N sequences wait in a queue; S slots (S <= N, a power of two) deco
 each per step. A slot whose sequence ended (a stop id, a stop string, max_new_tokens) takes
 the next waiting sequence: its prompt is prefilled, together with the other sequences that
 start at the same time, straight into the slot cache (slots.py). Once the queue is empty and
-at most a quarter of the slots are still live, the live ones move into a cache of fewer
-slots, so the long tail of a request decodes at a smaller batch.
+at most half of the slots are still live, the live ones move into a cache of fewer slots
+(a power of two), so the long tail of a request decodes at ever smaller batches: a decode
+step's time falls with its batch (each slot count is one more captured graph).
 
 The loop talks to the GPU without waiting for it, except every EOS_CHECK_EVERY steps (and
 every step on a CPU, where waiting costs nothing): there it learns which slots are free,
@@ -15,6 +16,7 @@ keeps decoding into a sink row until then; those steps are the slot use this rep
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -76,15 +78,25 @@ class SlotRun:
         self._refill(list(range(slots)))
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        steps = 0
+        steps, clock = 0, time.perf_counter()
+        busy: dict[int, list[float]] = {}   # slots -> [seconds, decode steps] between sync points
         while True:   # the prefill recorded each sequence's first token
             self.stats["slot_steps"] += self.cache.slots
             self._decode()
             self._record()
             steps += 1
-            if steps % self.check_every == 0 and not self._schedule():
-                break
+            if steps % self.check_every == 0:
+                slots, done = self.cache.slots, not self._schedule()   # waits for the device
+                now = time.perf_counter()
+                spent = busy.setdefault(slots, [0.0, 0])
+                spent[0] += now - clock
+                spent[1] += self.check_every
+                clock = now
+                if done:
+                    break
         self.stats["decode_steps"] = steps
+        # Wall time per decode step at each slot count (prefills included): the tail's floor.
+        self.stats["step_ms"] = {slots: round(1e3 * seconds / count, 3) for slots, (seconds, count) in busy.items()}
         lengths = self.lengths[:self.sink].cpu()
         self.stats["tokens"] = int(lengths.sum())
         self.stats["slot_use"] = self.stats["tokens"] / max(self.stats["slot_steps"] + self.stats["slots"], 1)
@@ -128,7 +140,7 @@ class SlotRun:
             return True
         if live == 0:
             return False
-        if bucket_batch(live) <= slots // 4:
+        if bucket_batch(live) <= slots // 2:
             self._shrink(active)
         return True
 

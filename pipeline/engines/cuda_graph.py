@@ -70,7 +70,8 @@ class CudaGraphEngine:
         compile: capture decode steps as CUDA graphs (default: on CUDA devices).
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
     Sampling filters (top-k / top-p / min-p) come with each request. `last_stats` holds the
-    last request's decode steps, tokens and slot use.
+    last request's decode steps, tokens, slot use and milliseconds a decode step at each
+    slot count.
     """
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
@@ -84,7 +85,7 @@ class CudaGraphEngine:
         self._caches: dict[tuple[int, int], SlotCache] = {}   # (slots, length) -> its cache
         self.batch = self.max_batch_size     # decode slots of the current request
         self._planned: int | None = None    # the last plan, so a change is reported once
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict = {}
         if self.compiled:
             # One graph per (slots, ring length) pair and temperature: shrinking slots and
             # evaluation requests add pairs, more than Dynamo's default of 8 a function.
