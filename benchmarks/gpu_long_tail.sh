@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue-21 figures on one GPU, each part under its own time limit: PARTS="tests engine update grpo256 grpo64"
-# (default: the first three). OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
+# Long-tail figures on one GPU, each part under its own time limit (seconds, from the *_LIMIT
+# variables): PARTS="tests engine update grpo256 grpo256fixed grpo64" (default: the first
+# three). OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 OUT=${OUT:-/tmp/gpu-long-tail}
 source benchmarks/gpu_setup.sh
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -20,13 +21,13 @@ for p in ${PARTS:-tests engine update}; do
                    tests/pipeline/test_engines_gpu.py tests/pipeline/test_packing_gpu.py ${TESTS_K:+-k "$TESTS_K"} ;;
         engine) part engine ${ENGINE_LIMIT:-240} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
                     --long-tail 0.004 0.0075 --skip-generate --repeats 2 --json "$OUT/long_tail.json" ;;
-        update) part update 150 python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
+        update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
                      ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_long.json" ;;
-        grpo256fixed) part grpo256fixed 300 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps 6 \
+        grpo256fixed) part grpo256fixed ${FIXED_LIMIT:-300} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps 6 \
                      --trl-steps 3 --json "$OUT/grpo256_fixed.json" ;;
-        grpo64) part grpo64 240 python3 benchmarks/grpo_vs_trl.py --prompts-per-step 8 --dask-steps 8 --trl-steps 3 \
+        grpo64) part grpo64 ${G64_LIMIT:-240} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 8 --dask-steps 8 --trl-steps 3 \
                     --json "$OUT/grpo64_fixed.json" ;;
     esac
 done
