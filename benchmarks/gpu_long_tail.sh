@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Long-tail figures on one GPU, each part under its own time limit (seconds, from the *_LIMIT
-# variables): PARTS="tests engine update grpo256 grpo256fixed grpo64" (default: the first
-# three). OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
+# variables): PARTS="start tests engine update grpo256 grpo256fixed grpo64" (default: tests engine
+# update). OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 OUT=${OUT:-/tmp/gpu-long-tail}
 source benchmarks/gpu_setup.sh
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -17,6 +17,7 @@ part() {  # part NAME SECONDS COMMAND...
 }
 for p in ${PARTS:-tests engine update}; do
     case $p in
+        start) part start ${START_LIMIT:-60} python3 benchmarks/start_probe.py ;;
         tests) part tests ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -s \
                    tests/pipeline/test_engines_gpu.py tests/pipeline/test_packing_gpu.py ${TESTS_K:+-k "$TESTS_K"} ;;
         engine) part engine ${ENGINE_LIMIT:-240} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
