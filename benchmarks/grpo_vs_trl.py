@@ -147,8 +147,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
               + ", ".join(f"{name} {t:.1f} s" for name, t in sorted(boot.items())), flush=True)
         loads = {role: times for roles in client.run(load_times).values() for role, times in roles.items()}
         print("dask-rl: roles built (imports, model, engine): "
-              + ", ".join(f"{role} from {began - start_wall:.1f} s for {took:.1f} s"
-                          for role, (began, took) in sorted(loads.items())), flush=True)
+              + ", ".join(f"{role} from {began - start_wall:.1f} s for {took:.1f} s ({waited:.1f} s waiting "
+                          f"for the imports)" for role, (began, took, waited) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
         if args.end_probability:

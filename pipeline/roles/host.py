@@ -44,8 +44,9 @@ class RoleHost(WorkerPlugin):
         self.state: Any = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
-        self.load_started: float | None = None   # when setup began (wall clock) and how long the
-        self.load_seconds: float | None = None   # build took, imports included: for reports
+        self.load_started: float | None = None   # when setup began (wall clock), how long the
+        self.load_seconds: float | None = None   # build took, imports included, and how much of
+        self.imports_wait: float = 0.0           # it went to waiting for the imports: for reports
 
     def __getstate__(self):
         # Events and loaded models stay on their worker; only the recipe travels.
@@ -72,7 +73,9 @@ class RoleHost(WorkerPlugin):
 
     def _build(self, imports: BackgroundImports | None):
         if imports is not None:  # the worker's own imports of torch and transformers first
+            start = time.perf_counter()
             imports.wait()
+            self.imports_wait = time.perf_counter() - start
         import torch
 
         if self.torch_threads:
@@ -86,11 +89,11 @@ class RoleHost(WorkerPlugin):
         self.state = None
 
 
-def load_times(dask_worker=None) -> dict[str, tuple[float, float]]:
+def load_times(dask_worker=None) -> dict[str, tuple[float, float, float]]:
     """For `client.run`: role -> (wall-clock time its setup began, seconds it took to build:
-    imports, model, engine) on this worker."""
-    return {plugin.role: (plugin.load_started, plugin.load_seconds) for plugin in dask_worker.plugins.values()
-            if isinstance(plugin, RoleHost) and plugin.load_seconds is not None}
+    imports, model, engine; of which seconds waiting for the background imports) on this worker."""
+    return {plugin.role: (plugin.load_started, plugin.load_seconds, plugin.imports_wait)
+            for plugin in dask_worker.plugins.values() if isinstance(plugin, RoleHost) and plugin.load_seconds is not None}
 
 
 def resolve_device(device: str = "auto") -> str:

@@ -147,7 +147,8 @@ def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engin
     # Each worker says how long building its role took (the GPU benchmark prints it).
     built = {role: times for roles in shared_cluster.client.run(load_times).values() for role, times in roles.items()}
     assert {"rollout", "reward", "actor"} <= set(built)
-    assert all(0 < seconds < 600 and started < time.time() for started, seconds in built.values())
+    assert all(0 < seconds < 600 and started < time.time() and 0 <= waited <= seconds
+               for started, seconds, waited in built.values())
     # Every worker imported torch and transformers in the background from its start.
     assert set(shared_cluster.client.run(_background_imports).values()) == {True}
 
