@@ -1,6 +1,7 @@
 """Packed forwards on a real GPU (`pytest -m gpu`): Qwen2-0.5B's shape in bf16 with random
 weights scores long-tailed responses packed as it does padded, within bf16 rounding, with
-whatever attention kernel transformers picks there (sdpa, or flash-attention's varlen)."""
+whatever attention kernel transformers picks there (sdpa, or flash-attention's varlen); and
+`micro_batch_size: auto` follows a real memory cap."""
 
 from __future__ import annotations
 
@@ -70,3 +71,34 @@ def test_packed_values_match_padded_in_bf16(model, rows):
     print(f"packed vs padded values: mean abs diff {diff.mean():.4f}, max {diff.max():.4f} "
           f"(values' mean size {padded[real].abs().mean():.3f})")
     assert diff.mean() < 0.02 * max(1.0, float(padded[real].abs().mean()))
+
+
+def test_auto_micro_batches_follow_a_memory_cap(model):
+    """`micro_batch_size: auto` under a real cap (torch's per-process memory fraction, set so
+    that 2 GiB are left): the token budget falls, the step runs in more micro-batches without
+    failing, and once the cap is lifted the budget is what it was."""
+    import copy
+
+    from benchmarks.packed_update import experience, run
+    from pipeline.roles.training import Trainable
+
+    trainable = Trainable(lambda: copy.deepcopy(model).train(), lr=1e-6, strategy="none", device="cuda",
+                          gradient_checkpointing=True, role_name="actor")
+    batch = experience(64, PROMPT, RESPONSE, 215.0, model.config.vocab_size, seed=2)
+    run(trainable, batch, "auto", True)                 # measures the bytes a token takes
+    roomy = run(trainable, batch, "auto", True)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 2 * 2**30) / total)
+    try:
+        capped = run(trainable, batch, "auto", True)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    again = run(trainable, batch, "auto", True)
+    print(f"auto micro-batches: free memory {roomy['token_budget']} tokens a micro-batch, "
+          f"{roomy['micro_batches']} micro-batches; capped at 2 GiB left {capped['token_budget']} tokens, "
+          f"{capped['micro_batches']} micro-batches, peak {capped['peak_gib']:.2f} GiB; uncapped again "
+          f"{again['token_budget']} tokens")
+    assert capped["token_budget"] < roomy["token_budget"] and capped["micro_batches"] > roomy["micro_batches"]
+    assert capped["computed_tokens"] >= capped["real_tokens"]   # every row ran
+    assert again["token_budget"] >= 0.9 * roomy["token_budget"]
