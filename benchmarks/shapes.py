@@ -57,8 +57,8 @@ def word_prompts(count: int, words: int, seed: int = 0) -> list[str]:
 
 def end_with_probability(model, eos_id: int, probability: float):
     """Make `model` end a response with `probability` at every token, whatever it would have
-    said: its EOS logit becomes the log-sum-exp of all logits plus logit(probability), so
-    response lengths are geometric (mean ~1/probability, cut at max_new_tokens), the
+    said: its EOS logit becomes the log-sum-exp of the other logits plus logit(probability),
+    so response lengths are geometric (mean ~1/probability, cut at max_new_tokens), the
     long-tailed shape of reasoning tasks. A forward hook on the output embedding (returns
     the hook's handle); generation and training forwards see the same distribution."""
     import math
@@ -68,10 +68,11 @@ def end_with_probability(model, eos_id: int, probability: float):
     shift = math.log(probability / (1 - probability))
 
     def hook(module, args, logits):
-        target = logits.float().logsumexp(-1, keepdim=True).detach() + shift
-        eos = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
-        eos[eos_id] = 1
-        return logits + eos * (target.to(logits.dtype) - logits[..., eos_id:eos_id + 1])
+        eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        eos[eos_id] = True
+        # exp(target) / (sum of the others' exp + exp(target)) = probability, exactly.
+        target = logits.float().masked_fill(eos, float("-inf")).logsumexp(-1, keepdim=True).detach() + shift
+        return logits + eos.to(logits.dtype) * (target.to(logits.dtype) - logits[..., eos_id:eos_id + 1])
 
     return model.get_output_embeddings().register_forward_hook(hook)
 

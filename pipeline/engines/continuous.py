@@ -31,6 +31,10 @@ from pipeline.records import GenerationRequest
 EOS_CHECK_EVERY = 8
 # A free slot waits until this share of the slots is free, so one prefill serves several.
 REFILL_SHARE = 16
+# Once nothing waits, the live rows move into fewer slots when at most 1/SHRINK_SHARE of the
+# slots are live. Halving at each step down costs a captured graph per slot count (compiled
+# once per run and shape) and keeps slot use higher than quartering.
+SHRINK_SHARE = 2
 
 
 def bucket_batch(rows: int) -> int:
@@ -140,7 +144,7 @@ class SlotRun:
             return True
         if live == 0:
             return False
-        if bucket_batch(live) <= slots // 2:
+        if bucket_batch(live) <= slots // SHRINK_SHARE:
             self._shrink(active)
         return True
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.shapes import end_with_probability
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.records import GenerationRequest
 from pipeline.roles.forward import response_logprobs
@@ -114,15 +115,8 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
     into fewer slots, and the logprobs stay as close to the actor's as a static batch's."""
     import torch._dynamo.utils
 
-    eos = torch.zeros(32000, device="cuda", dtype=torch.bfloat16)
-    eos[1] = 1.0
-
-    def end_sometimes(module, args, out):   # EOS logit = logsumexp + logit(0.03): P(EOS) = 0.03
-        target = out.float().logsumexp(-1, keepdim=True) + torch.log(torch.tensor(0.03 / 0.97))
-        return out + eos * (target.to(out.dtype) - out[..., 1:2])
-
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64)
-    hook = model.get_output_embeddings().register_forward_hook(end_sometimes)
+    hook = end_with_probability(model, 1, 0.03)   # each token ends a response with probability 0.03
     try:
         engine.generate(_request(batch=128, new=256, seed=4), 0)   # compiles
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -1,0 +1,89 @@
+"""Slot use and decode steps of the cuda_graph engine's slot loop on long-tailed lengths,
+measured on the CPU (eager, a tiny model): both depend only on the response lengths and the
+scheduling (refills, when the tail moves into fewer slots, a look at the device every
+continuous.EOS_CHECK_EVERY steps as on a GPU), not on the device. Each token ends a response
+with probability p (benchmarks/shapes.py end_with_probability), as in the GPU benchmark.
+
+    python benchmarks/slot_use.py            # 256 x up to 1024 new tokens, p 0.004 and 0.0075; ~2 min
+
+Prints, per p and per shrink rule (SHRINK_SHARE 2 = halve, 4 = quarter): mean length, decode
+steps, slot use, and the decode steps spent at each slot count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.shapes import end_with_probability  # noqa: E402
+from pipeline.engines import continuous  # noqa: E402
+from pipeline.engines.cuda_graph import CudaGraphEngine, bucket_length  # noqa: E402
+from pipeline.engines.hf import repeat_prompts  # noqa: E402
+from pipeline.models import create_tiny_model, load_causal_lm, load_tokenizer  # noqa: E402
+from pipeline.records import GenerationRequest  # noqa: E402
+
+
+class CountedRun(continuous.SlotRun):
+    """A SlotRun that looks at the device every EOS_CHECK_EVERY steps, as on a GPU, and
+    counts the decode steps at each slot count."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.check_every = continuous.EOS_CHECK_EVERY
+        self.steps_at = Counter()
+
+    def _decode(self) -> None:
+        self.steps_at[self.cache.slots] += 1
+        super()._decode()
+
+
+@torch.no_grad()
+def measure(engine, request: GenerationRequest, slots: int) -> dict:
+    prompts, _ = repeat_prompts(request)
+    width = bucket_length(max(len(p) for p in prompts), engine.prompt_bucket)
+    torch.manual_seed(request.seed)
+    run = CountedRun(engine, prompts, width, request, slots)
+    run.run()
+    return {**run.stats, "mean_length": run.stats["tokens"] / len(prompts), "steps_at": dict(run.steps_at)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--end-probability", type=float, nargs="+", default=[0.004, 0.0075])
+    parser.add_argument("--shrink-share", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    directory = create_tiny_model(Path(tempfile.mkdtemp(prefix="slot-use-")) / "tiny", seed=0)
+    model, tokenizer = load_causal_lm(directory), load_tokenizer(directory)
+    eos = tokenizer.eos_token_id
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu",
+                             max_batch_size=args.sequences)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, len(tokenizer), (args.sequences, args.prompt), generator=generator).tolist()
+    request = GenerationRequest(prompts, list(range(args.sequences)), 1, args.new_tokens, 1.0, seed=1)
+    for probability in args.end_probability:
+        hook = end_with_probability(model, eos, probability)
+        try:
+            for share in args.shrink_share:
+                continuous.SHRINK_SHARE = share
+                row = measure(engine, request, args.sequences)
+                print(f"p {probability}, shrink at 1/{share} live: mean length {row['mean_length']:.1f}, "
+                      f"{row['decode_steps']} decode steps, slot use {row['slot_use']:.2f}; decode steps at "
+                      + ", ".join(f"{slots} slots: {steps}" for slots, steps in sorted(row["steps_at"].items(),
+                                                                                     reverse=True)), flush=True)
+        finally:
+            hook.remove()
+
+
+if __name__ == "__main__":
+    main()
