@@ -4,7 +4,7 @@ scheduling (refills, when the tail moves into fewer slots, a look at the device 
 continuous.EOS_CHECK_EVERY steps as on a GPU), not on the device. Each token ends a response
 with probability p (benchmarks/shapes.py end_with_probability), as in the GPU benchmark.
 
-    python benchmarks/slot_use.py            # 256 x up to 1024 new tokens, p 0.004 and 0.0075; ~2 min
+    python benchmarks/slot_use.py            # 256 x up to 1024 new tokens, p 0.004 and 0.0075; ~30 s on 2 cores
 
 Prints, per p and per shrink rule (SHRINK_SHARE 2 = halve, 4 = quarter): mean length, decode
 steps, slot use, and the decode steps spent at each slot count.
