@@ -44,7 +44,6 @@ class CountedRun(continuous.SlotRun):
         super()._decode()
 
 
-@torch.no_grad()
 def measure(engine, request: GenerationRequest, slots: int) -> dict:
     prompts, _ = repeat_prompts(request)
     width = bucket_length(max(len(p) for p in prompts), engine.prompt_bucket)

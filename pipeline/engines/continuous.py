@@ -81,6 +81,7 @@ class SlotRun:
         self.logprob = torch.zeros(slots, dtype=torch.float32, device=device)
         self._refill(list(range(slots)))
 
+    @torch.no_grad()   # the slot caches are written in place (index_select with out= has no gradient)
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         steps, clock = 0, time.perf_counter()
         busy: dict[int, list[float]] = {}   # slots -> [seconds, decode steps] between sync points
