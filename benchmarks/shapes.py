@@ -72,7 +72,7 @@ def end_with_probability(model, eos_id: int, probability: float):
         eos[eos_id] = True
         # exp(target) / (sum of the others' exp + exp(target)) = probability, exactly.
         target = logits.float().masked_fill(eos, float("-inf")).logsumexp(-1, keepdim=True).detach() + shift
-        return logits + eos.to(logits.dtype) * (target.to(logits.dtype) - logits[..., eos_id:eos_id + 1])
+        return torch.where(eos, target.to(logits.dtype), logits)
 
     return model.get_output_embeddings().register_forward_hook(hook)
 

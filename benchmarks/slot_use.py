@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -30,27 +29,17 @@ from pipeline.models import create_tiny_model, load_causal_lm, load_tokenizer  #
 from pipeline.records import GenerationRequest  # noqa: E402
 
 
-class CountedRun(continuous.SlotRun):
-    """A SlotRun that looks at the device every EOS_CHECK_EVERY steps, as on a GPU, and
-    counts the decode steps at each slot count."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.check_every = continuous.EOS_CHECK_EVERY
-        self.steps_at = Counter()
-
-    def _decode(self) -> None:
-        self.steps_at[self.cache.slots] += 1
-        super()._decode()
-
-
+@torch.no_grad()
 def measure(engine, request: GenerationRequest, slots: int) -> dict:
+    """One request through the slot loop, with a look at the device every EOS_CHECK_EVERY
+    steps as on a GPU (the engine looks every step on a CPU)."""
     prompts, _ = repeat_prompts(request)
     width = bucket_length(max(len(p) for p in prompts), engine.prompt_bucket)
     torch.manual_seed(request.seed)
-    run = CountedRun(engine, prompts, width, request, slots)
+    run = continuous.SlotRun(engine, prompts, width, request, slots)
+    run.check_every = continuous.EOS_CHECK_EVERY
     run.run()
-    return {**run.stats, "mean_length": run.stats["tokens"] / len(prompts), "steps_at": dict(run.steps_at)}
+    return {**run.stats, "mean_length": run.stats["tokens"] / len(prompts)}
 
 
 def main(argv=None) -> None:
@@ -78,7 +67,7 @@ def main(argv=None) -> None:
                 row = measure(engine, request, args.sequences)
                 print(f"p {probability}, shrink at 1/{share} live: mean length {row['mean_length']:.1f}, "
                       f"{row['decode_steps']} decode steps, slot use {row['slot_use']:.2f}; decode steps at "
-                      + ", ".join(f"{slots} slots: {steps}" for slots, steps in sorted(row["steps_at"].items(),
+                      + ", ".join(f"{slots} slots: {steps}" for slots, steps in sorted(row["decode_steps_at"].items(),
                                                                                      reverse=True)), flush=True)
         finally:
             hook.remove()

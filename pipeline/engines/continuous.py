@@ -17,7 +17,7 @@ keeps decoding into a sink row until then; those steps are the slot use this rep
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -66,7 +66,7 @@ class SlotRun:
         self.column = 0            # the ring column the next decode step writes (a host int: no sync)
         self.queue = deque(range(len(prompts)))
         self.check_every = EOS_CHECK_EVERY if torch.device(device).type == "cuda" else 1
-        self.stats = {"slots": slots, "decode_steps": 0, "slot_steps": 0}
+        self.stats = {"slots": slots}
         self._start(slots)
 
     def _start(self, slots: int) -> None:
@@ -83,28 +83,30 @@ class SlotRun:
 
     @torch.no_grad()   # the slot caches are written in place (index_select with out= has no gradient)
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        steps_at: Counter[int] = Counter()        # decode steps at each slot count
+        seconds_at: Counter[int] = Counter()      # their wall time, read at the sync points
         steps, clock = 0, time.perf_counter()
-        busy: dict[int, list[float]] = {}   # slots -> [seconds, decode steps] between sync points
         while True:   # the prefill recorded each sequence's first token
-            self.stats["slot_steps"] += self.cache.slots
+            slots = self.cache.slots              # changes only at a sync point (_schedule)
             self._decode()
             self._record()
+            steps_at[slots] += 1
             steps += 1
             if steps % self.check_every == 0:
-                slots, done = self.cache.slots, not self._schedule()   # waits for the device
+                done = not self._schedule()       # waits for the device
                 now = time.perf_counter()
-                spent = busy.setdefault(slots, [0.0, 0])
-                spent[0] += now - clock
-                spent[1] += self.check_every
+                seconds_at[slots] += now - clock
                 clock = now
                 if done:
                     break
         self.stats["decode_steps"] = steps
+        self.stats["decode_steps_at"] = dict(steps_at)
         # Wall time per decode step at each slot count (prefills included): the tail's floor.
-        self.stats["step_ms"] = {slots: round(1e3 * seconds / count, 3) for slots, (seconds, count) in busy.items()}
+        self.stats["step_ms"] = {slots: round(1e3 * seconds_at[slots] / count, 3) for slots, count in steps_at.items()}
+        slot_steps = sum(slots * count for slots, count in steps_at.items())
         lengths = self.lengths[:self.sink].cpu()
         self.stats["tokens"] = int(lengths.sum())
-        self.stats["slot_use"] = self.stats["tokens"] / max(self.stats["slot_steps"] + self.stats["slots"], 1)
+        self.stats["slot_use"] = self.stats["tokens"] / max(slot_steps + self.stats["slots"], 1)
         width = max(1, int(lengths.max()))
         return self.tokens[:self.sink, :width].cpu(), self.logprobs[:self.sink, :width].cpu()
 
@@ -149,6 +151,7 @@ class SlotRun:
             self._shrink(active)
         return True
 
+    @torch.no_grad()   # also called while the run is set up
     def _refill(self, free: list[int]) -> None:
         """Prefill the next waiting sequences into the slots `free` (as many as wait), in the
         ring columns just before the next decode step's column."""

@@ -70,8 +70,8 @@ class CudaGraphEngine:
         compile: capture decode steps as CUDA graphs (default: on CUDA devices).
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
     Sampling filters (top-k / top-p / min-p) come with each request. `last_stats` holds the
-    last request's decode steps, tokens, slot use and milliseconds a decode step at each
-    slot count.
+    last request's decode steps (in all and at each slot count), tokens, slot use and
+    milliseconds a decode step at each slot count.
     """
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,

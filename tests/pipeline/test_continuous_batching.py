@@ -86,6 +86,7 @@ def test_the_tail_moves_into_fewer_slots(model_and_tokenizer):
     assert sorted(slots for slots, _ in engine._caches) == [8, 16, 32, 64]
     assert sorted(engine.last_stats["step_ms"]) == [8, 16, 32, 64]
     assert all(ms > 0 for ms in engine.last_stats["step_ms"].values())
+    assert sum(engine.last_stats["decode_steps_at"].values()) == engine.last_stats["decode_steps"]
 
 
 def test_slot_run_reports_use_and_refills_in_groups(model_and_tokenizer):
