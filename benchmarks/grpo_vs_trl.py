@@ -294,10 +294,21 @@ def main(argv=None) -> int:
     model_dir = str(save_qwen2_05b(args.model_dir))
     steps = max(args.dask_steps, args.trl_steps) + 1
     prompts = word_prompts(args.prompts_per_step * steps, PROMPT_TOKENS)
-    results = {"dask-rl" if mb == args.micro_batches[0] else f"dask-rl, micro-batch {mb}":
-               run_dask_rl(model_dir, prompts, args, mb) for mb in args.micro_batches}
+    results = {}
+
+    def keep(name: str, result: dict) -> None:
+        # Written as each side ends: a run cut short by a time limit keeps what finished.
+        results[name] = result
+        print(f"{name}: steady step {result['step_seconds']:.2f} s, peak GPU memory (all processes) "
+              f"{result['peak_gib']:.1f} GiB", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+
+    for mb in args.micro_batches:
+        keep("dask-rl" if mb == args.micro_batches[0] else f"dask-rl, micro-batch {mb}",
+             run_dask_rl(model_dir, prompts, args, mb))
     if not args.skip_trl:
-        results["trl"] = run_trl(model_dir, prompts, args)
+        keep("trl", run_trl(model_dir, prompts, args))
     batch = args.prompts_per_step * SAMPLES
     tail = f", end probability {args.end_probability} a token" if args.end_probability else ""
     print(f"\nGRPO, {args.prompts_per_step} prompts x {SAMPLES} samples x up to {args.new_tokens} new tokens "
@@ -317,8 +328,6 @@ def main(argv=None) -> int:
             t = results["trl"]
             print(f"  {name}: ratio: step {t['step_seconds'] / d['step_seconds']:.2f}x faster, "
                   f"memory {d['peak_gib'] / t['peak_gib']:.2f}x TRL's")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 
