@@ -87,30 +87,29 @@ def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, fl
     return {"step_seconds": statistics.median(s), "tokens_per_second": sum(t) / sum(s)}
 
 
-def end_responses_with_probability(probability: float) -> list[str]:
+def held_roles(dask_worker) -> dict:
+    """On a worker (through client.run, which passes `dask_worker`): role -> its role object,
+    for the roles this worker holds."""
+    from pipeline.roles.host import plugin_name
+
+    held = dask_worker.state.total_resources
+    return {role: plugin.state for role in ("rollout", "actor", "reference")
+            if role in held and (plugin := dask_worker.plugins.get(plugin_name(role))) is not None}
+
+
+def end_responses_with_probability(probability: float, dask_worker=None) -> list[str]:
     """On a worker: hook the rollout engine's and the actor's model (those it holds)."""
-    from distributed import get_worker
-
-    from pipeline.roles.host import role_state
-
-    hooked, held = [], get_worker().state.total_resources
-    for role, model_of in (("rollout", lambda r: r.engine.model), ("actor", lambda r: r.trainer.model),
-                           ("reference", lambda r: r.model)):
-        if role in held:
-            end_with_probability(model_of(role_state(role)), EOS_ID, probability)
-            hooked.append(role)
-    return hooked
+    model_of = {"rollout": lambda r: r.engine.model, "actor": lambda r: r.trainer.model, "reference": lambda r: r.model}
+    roles = held_roles(dask_worker)
+    for role, state in roles.items():
+        end_with_probability(model_of[role](state), EOS_ID, probability)
+    return list(roles)
 
 
-def engine_stats() -> dict | None:
+def engine_stats(dask_worker=None) -> dict | None:
     """On a worker: the rollout engine's figures of its last request (cuda_graph)."""
-    from distributed import get_worker
-
-    from pipeline.roles.host import role_state
-
-    if "rollout" not in get_worker().state.total_resources:
-        return None
-    return dict(getattr(role_state("rollout").engine, "last_stats", {}))
+    rollout = held_roles(dask_worker).get("rollout")
+    return None if rollout is None else dict(getattr(rollout.engine, "last_stats", {}))
 
 
 def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[str, float]:

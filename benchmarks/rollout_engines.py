@@ -78,42 +78,53 @@ def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None
 
 def bench_long_tail(model, batch: int, prompt: int, new: int, probabilities: list[float], repeats: int) -> list:
     """Useful tokens/s of the cuda_graph engine at full length and at each end probability."""
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=batch)
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=model.device.type, max_batch_size=batch)
+    # One hook before anything compiles, its probability a device tensor set for each run:
+    # torch.compile would not see a hook added after it compiled (0: EOS never sampled).
+    end = torch.zeros((), device=model.device)
+    hook = end_with_probability(model, 1, end)
     rows = []
-    for probability in [0.0, *probabilities]:
-        hook = end_with_probability(model, 1, probability) if probability else None
-        req = request(batch, prompt, new, seed=2)
-        try:
-            engine.generate(req, 0)   # compiles the graphs of this shape (and its smaller slot counts)
-            times, stats, tokens = [], [], []
-            for repeat in range(repeats):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                rollout = engine.generate(request(batch, prompt, new, seed=3 + repeat), 0)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-                stats.append(dict(engine.last_stats))
-                tokens.append(int(rollout.response_mask.sum()))
-        finally:
-            if hook is not None:
-                hook.remove()
-        seconds, useful = sum(times), sum(tokens)
-        row = {"end_probability": probability, "batch": batch, "max_new_tokens": new,
-               "expected_mean_length": mean_geometric_length(probability, new) if probability else new,
-               "mean_length": useful / (batch * repeats), "decode_steps": statistics.mean(s["decode_steps"] for s in stats),
-               "seconds": seconds / repeats, "useful_tokens_per_second": useful / seconds,
-               "slot_use": statistics.mean(s["slot_use"] for s in stats), "step_ms": stats[-1]["step_ms"]}
-        rows.append(row)
-        print(f"cuda_graph batch {batch}, end probability {probability:<6}: mean length {row['mean_length']:6.1f} "
-              f"(expected {row['expected_mean_length']:.0f}), {row['decode_steps']:6.0f} decode steps, "
-              f"{row['seconds']:5.2f} s, {row['useful_tokens_per_second']:>8,.0f} useful tokens/s, "
-              f"slot use {row['slot_use']:.2f}; ms a decode step at each slot count: "
-              + ", ".join(f"{slots}: {ms:.2f}" for slots, ms in row["step_ms"].items()), flush=True)
+    try:
+        for probability in [0.0, *probabilities]:
+            end.fill_(probability)
+            rows.append(_long_tail_row(engine, batch, prompt, new, probability, repeats))
+    finally:
+        hook.remove()
     full = rows[0]["useful_tokens_per_second"]
     for row in rows[1:]:
         print(f"  end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x below the "
               f"full-length rate", flush=True)
     return rows
+
+
+def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float, repeats: int) -> dict:
+    engine.generate(request(batch, prompt, new, seed=2), 0)   # compiles the graphs of this shape (and its smaller slot counts)
+    times, stats, tokens = [], [], []
+    for repeat in range(repeats):
+        _synchronize()
+        start = time.perf_counter()
+        rollout = engine.generate(request(batch, prompt, new, seed=3 + repeat), 0)
+        _synchronize()
+        times.append(time.perf_counter() - start)
+        stats.append(dict(engine.last_stats))
+        tokens.append(int(rollout.response_mask.sum()))
+    seconds, useful = sum(times), sum(tokens)
+    row = {"end_probability": probability, "batch": batch, "max_new_tokens": new,
+           "expected_mean_length": mean_geometric_length(probability, new) if probability else new,
+           "mean_length": useful / (batch * repeats), "decode_steps": statistics.mean(s["decode_steps"] for s in stats),
+           "seconds": seconds / repeats, "useful_tokens_per_second": useful / seconds,
+           "slot_use": statistics.mean(s["slot_use"] for s in stats), "step_ms": stats[-1]["step_ms"]}
+    print(f"cuda_graph batch {batch}, end probability {probability:<6}: mean length {row['mean_length']:6.1f} "
+          f"(expected {row['expected_mean_length']:.0f}), {row['decode_steps']:6.0f} decode steps, "
+          f"{row['seconds']:5.2f} s, {row['useful_tokens_per_second']:>8,.0f} useful tokens/s, "
+          f"slot use {row['slot_use']:.2f}; ms a decode step at each slot count: "
+          + ", ".join(f"{slots}: {ms:.2f}" for slots, ms in row["step_ms"].items()), flush=True)
+    return row
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:

@@ -55,23 +55,30 @@ def word_prompts(count: int, words: int, seed: int = 0) -> list[str]:
     return [" ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(words)) for _ in range(count)]
 
 
-def end_with_probability(model, eos_id: int, probability: float):
+def end_with_probability(model, eos_id: int, probability):
     """Make `model` end a response with `probability` at every token, whatever it would have
     said: its EOS logit becomes the log-sum-exp of the other logits plus logit(probability),
     so response lengths are geometric (mean ~1/probability, cut at max_new_tokens), the
     long-tailed shape of reasoning tasks. A forward hook on the output embedding (returns
-    the hook's handle); generation and training forwards see the same distribution."""
+    the hook's handle); generation and training forwards see the same distribution.
+
+    `probability`: a float, or a 0-d tensor on the model's device whose value may change
+    between calls (0: never end). torch.compile does not re-trace a hook added after it
+    compiled, so a compiled caller that changes the probability hooks a tensor once, first."""
     import math
 
     import torch
 
-    shift = math.log(probability / (1 - probability))
+    def shift():
+        if isinstance(probability, torch.Tensor):
+            return torch.log(probability) - torch.log1p(-probability)
+        return math.log(probability / (1 - probability))
 
     def hook(module, args, logits):
         eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         eos[eos_id] = True
         # exp(target) / (sum of the others' exp + exp(target)) = probability, exactly.
-        target = logits.float().masked_fill(eos, float("-inf")).logsumexp(-1, keepdim=True).detach() + shift
+        target = logits.float().masked_fill(eos, float("-inf")).logsumexp(-1, keepdim=True).detach() + shift()
         return torch.where(eos, target.to(logits.dtype), logits)
 
     return model.get_output_embeddings().register_forward_hook(hook)
