@@ -112,6 +112,11 @@ def engine_stats(dask_worker=None) -> dict | None:
     return None if rollout is None else dict(getattr(rollout.engine, "last_stats", {}))
 
 
+def decode_seconds(stats: dict) -> float:
+    """Seconds the engine spent in decode steps (prefills included) on its last request."""
+    return sum(stats["step_ms"][slots] * steps for slots, steps in stats["decode_steps_at"].items()) / 1e3
+
+
 def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[str, float]:
     from pipeline import HybridTrainer
     from pipeline.roles.host import load_times
@@ -153,11 +158,16 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         if args.end_probability:
             print(f"dask-rl: responses end with probability {args.end_probability} a token on "
                   f"{client.run(end_responses_with_probability, args.end_probability)}", flush=True)
-        slot_use = []
+        slot_use, engine_seconds = [], []
         try:
             def on_step_with_slots(record):
                 on_step(record)
-                slot_use.extend(s["slot_use"] for s in client.run(engine_stats).values() if s and "slot_use" in s)
+                for stats in client.run(engine_stats).values():
+                    if stats and "slot_use" in stats:
+                        slot_use.append(stats["slot_use"])
+                        engine_seconds.append(decode_seconds(stats))
+                        print(f"  rollout engine, its last request: {engine_seconds[-1]:.2f} s decoding, slot use "
+                              f"{slot_use[-1]:.2f}", flush=True)
 
             trainer.train(args.dask_steps, on_step=on_step_with_slots)
             roles = {w["address"]: role for role in ("actor", "rollout") for w in trainer.fleet.cluster.workers_of(role)}
@@ -171,6 +181,9 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     result["mean_response_tokens"] = sum(tokens[args.warmup:]) / (len(tokens[args.warmup:])
                                                                  * args.prompts_per_step * SAMPLES)
     result["slot_use"] = statistics.mean(slot_use[args.warmup:]) if slot_use[args.warmup:] else None
+    # The rollout's own GPU time: on one shared GPU the update runs while the next batch
+    # decodes, and the two processes take turns on the GPU.
+    result["engine_seconds"] = statistics.median(engine_seconds[args.warmup:]) if engine_seconds[args.warmup:] else None
     pids = {stats["pid"]: role for role, stats in torch_memory.items()}
     for role, stats in sorted(torch_memory.items()):
         print(f"dask-rl {role}: torch peak allocated {stats['max_allocated'] / 2**30:.2f} GiB, peak reserved "
@@ -314,7 +327,7 @@ def main(argv=None) -> int:
           f"(batch {batch}){tail}, prompt {PROMPT_TOKENS} tokens, KL 0, micro-batch {args.micro_batches[0]}:")
     for name, r in results.items():
         extra = (f"  waiting for the rollout {r['rollout_seconds']:.2f} s  update {r['update_seconds']:.2f} s  slot use "
-                 f"{r['slot_use'] or 0:.2f}" if "update_seconds" in r else "")
+                 f"{r['slot_use'] or 0:.2f}  rollout engine {r['engine_seconds'] or 0:.2f} s" if "update_seconds" in r else "")
         print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} useful tokens/s  "
               f"mean response {r['mean_response_tokens']:6.1f}  peak GPU memory (all processes) "
               f"{r['peak_gib']:5.1f} GiB{extra}")
