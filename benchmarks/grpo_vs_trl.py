@@ -90,11 +90,10 @@ def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, fl
 def held_roles(dask_worker) -> dict:
     """On a worker (through client.run, which passes `dask_worker`): role -> its role object,
     for the roles this worker holds."""
-    from pipeline.roles.host import plugin_name
+    from pipeline.roles.host import role_state
 
     held = dask_worker.state.total_resources
-    return {role: plugin.state for role in ("rollout", "actor", "reference")
-            if role in held and (plugin := dask_worker.plugins.get(plugin_name(role))) is not None}
+    return {role: role_state(role, dask_worker) for role in ("rollout", "actor", "reference") if role in held}
 
 
 def end_responses_with_probability(probability: float, dask_worker=None) -> list[str]:

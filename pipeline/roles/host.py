@@ -109,9 +109,10 @@ def resolve_device(device: str = "auto") -> str:
     return "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") and torch.cuda.is_available() else "cpu"
 
 
-def role_state(role: str) -> Any:
-    """The role object that lives on the worker running the current task."""
-    worker = get_worker()
+def role_state(role: str, worker: Any = None) -> Any:
+    """The role object that lives on `worker` (default: the worker running the current task;
+    a function run by `client.run` has none and passes the `dask_worker` it is given)."""
+    worker = get_worker() if worker is None else worker
     plugin = worker.plugins.get(plugin_name(role))
     if plugin is None or role not in worker.state.total_resources:
         raise RuntimeError(
