@@ -78,10 +78,10 @@ def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None
 
 def bench_long_tail(model, batch: int, prompt: int, new: int, probabilities: list[float], repeats: int) -> list:
     """Useful tokens/s of the cuda_graph engine at full length and at each end probability."""
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=model.device.type, max_batch_size=batch)
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=batch)
     # One hook before anything compiles, its probability a device tensor set for each run:
     # torch.compile would not see a hook added after it compiled (0: EOS never sampled).
-    end = torch.zeros((), device=model.device)
+    end = torch.zeros((), device="cuda")
     hook = end_with_probability(model, 1, end)
     rows = []
     try:
@@ -101,10 +101,10 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
     engine.generate(request(batch, prompt, new, seed=2), 0)   # compiles the graphs of this shape (and its smaller slot counts)
     times, stats, tokens = [], [], []
     for repeat in range(repeats):
-        _synchronize()
+        torch.cuda.synchronize()
         start = time.perf_counter()
         rollout = engine.generate(request(batch, prompt, new, seed=3 + repeat), 0)
-        _synchronize()
+        torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         stats.append(dict(engine.last_stats))
         tokens.append(int(rollout.response_mask.sum()))
@@ -120,11 +120,6 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
           f"slot use {row['slot_use']:.2f}; ms a decode step at each slot count: "
           + ", ".join(f"{slots}: {ms:.2f}" for slots, ms in row["step_ms"].items()), flush=True)
     return row
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:
