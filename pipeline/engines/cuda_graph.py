@@ -165,19 +165,29 @@ class CudaGraphEngine:
         return sample_tokens(logits, temperature, top_k, top_p, min_p)
 
     def _cache(self, slots: int, length: int) -> SlotCache:
-        """The slot cache for this pair; allocated on first use, then reused. When the
-        memory free now cannot hold a new one, the caches of other shapes go first."""
+        """The slot cache for this pair; allocated on first use, then reused. Fewer slots
+        over a ring already allocated live within it; a larger cache replaces the ring's
+        others. When the memory free now cannot hold a new one, the caches of other shapes
+        go first."""
         key = (slots, length)
-        if key not in self._caches:
-            dtype = next(self.model.parameters()).dtype
-            need = slot_cache_bytes(self.model.config, dtype, slots, length)
-            free = free_bytes(self.device)
-            if free is not None and free < need / HEADROOM and self._caches:
-                logger.info("dask-rl: cuda_graph engine: dropping %d KV caches to make room", len(self._caches))
-                self._caches.clear()
-                release_cached(self.device)
-            logger.info("dask-rl: cuda_graph engine: new KV cache of %d slots x %d tokens", slots, length)
-            self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device)
+        if key in self._caches:
+            return self._caches[key]
+        dtype = next(self.model.parameters()).dtype
+        ring = [cache for (_, ring_length), cache in self._caches.items() if ring_length == length]
+        largest = max(ring, key=lambda cache: cache.slots, default=None)
+        if largest is not None and largest.slots > slots:
+            self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device, within=largest)
+            return self._caches[key]
+        for cache in ring:   # smaller ones, each its own allocation or within one: all go
+            del self._caches[(cache.slots, length)]
+        need = slot_cache_bytes(self.model.config, dtype, slots, length)
+        free = free_bytes(self.device)
+        if free is not None and free < need / HEADROOM and self._caches:
+            logger.info("dask-rl: cuda_graph engine: dropping %d KV caches to make room", len(self._caches))
+            self._caches.clear()
+            release_cached(self.device)
+        logger.info("dask-rl: cuda_graph engine: new KV cache of %d slots x %d tokens", slots, length)
+        self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device)
         return self._caches[key]
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

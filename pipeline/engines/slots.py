@@ -37,23 +37,38 @@ def slot_cache_bytes(config, dtype: torch.dtype, slots: int, length: int) -> int
 class SlotCache:
     """Keys and values of `slots` sequences over a ring of `length` columns: per layer
     (slots, kv_heads, length, head_dim) tensors, allocated once and written in place (the
-    captured graphs keep pointing at them)."""
+    captured graphs keep pointing at them).
 
-    def __init__(self, config, slots: int, length: int, dtype: torch.dtype, device):
-        layers, kv_heads, head_dim = kv_layout(config)
-        shape = (slots, kv_heads, length, head_dim)
+    With `within` (a cache of as many or more slots over the same ring), the tensors are
+    the first `slots` rows of that cache's: a request's tail moves into fewer slots without
+    a cache of its own per slot count (those summed to twice the largest)."""
+
+    def __init__(self, config, slots: int, length: int, dtype: torch.dtype, device,
+                 within: "SlotCache | None" = None):
         self.slots, self.length = slots, length
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.nbytes = slot_cache_bytes(config, dtype, slots, length)
+        if within is not None:
+            if within.length != length or within.slots < slots:
+                raise ValueError(f"a cache of {slots} x {length} cannot live in one of {within.slots} x "
+                                 f"{within.length}")
+            self.keys = [tensor[:slots] for tensor in within.keys]
+            self.values = [tensor[:slots] for tensor in within.values]
+            self.nbytes = 0    # what this cache allocated: nothing of its own
+        else:
+            layers, kv_heads, head_dim = kv_layout(config)
+            shape = (slots, kv_heads, length, head_dim)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.nbytes = slot_cache_bytes(config, dtype, slots, length)
         if torch.device(device).type == "cuda":
             for tensor in (*self.keys, *self.values):   # mutated inside captured graphs
                 torch._dynamo.mark_static_address(tensor)
 
     def take_rows(self, source: "SlotCache", rows: torch.Tensor) -> None:
-        """Copy `source`'s slots `rows` (one index per slot of this cache) into this cache."""
+        """Copy `source`'s slots `rows` (one index per slot of this cache) into this cache.
+        The two may share storage (one lives within the other), so each layer's rows are
+        gathered before they are written."""
         for mine, theirs in zip((*self.keys, *self.values), (*source.keys, *source.values)):
-            torch.index_select(theirs, 0, rows, out=mine)
+            mine.copy_(theirs.index_select(0, rows))
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -84,6 +84,10 @@ def test_the_tail_moves_into_fewer_slots(model_and_tokenizer):
     # Each time at most half the slots were live, they moved into a cache of fewer (a power of
     # two, at least 8): 64 -> 32 -> 16 -> 8 here.
     assert sorted(slots for slots, _ in engine._caches) == [8, 16, 32, 64]
+    # The smaller caches are the first rows of the 64-slot one: one allocation for the ring.
+    caches = {slots: cache for (slots, _), cache in engine._caches.items()}
+    assert [caches[slots].keys[0].data_ptr() for slots in (8, 16, 32)] == [caches[64].keys[0].data_ptr()] * 3
+    assert [caches[slots].nbytes for slots in (8, 16, 32)] == [0, 0, 0] and caches[64].nbytes > 0
     assert sorted(engine.last_stats["step_ms"]) == [8, 16, 32, 64]
     assert all(ms > 0 for ms in engine.last_stats["step_ms"].values())
     assert sum(engine.last_stats["decode_steps_at"].values()) == engine.last_stats["decode_steps"]
@@ -137,3 +141,24 @@ def test_the_compiled_decode_step_serves_refills_and_a_second_request(tiny_model
         hook.remove()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert engine.last_stats["slots"] == 16 and engine.last_stats["tokens"] == int(rollout.response_mask.sum())
+
+
+def test_fewer_slots_live_within_the_rings_largest_cache(model_and_tokenizer):
+    """Caches of fewer slots over one ring are views of its largest; a larger one replaces
+    them; moving rows between two caches that share storage moves the right rows."""
+    model, tokenizer = model_and_tokenizer
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu")
+    small = engine._cache(16, 40)
+    assert small.nbytes > 0
+    large = engine._cache(64, 40)
+    assert sorted(engine._caches) == [(64, 40)], "the 16-slot cache had its own storage: replaced"
+    within = engine._cache(16, 40)
+    assert within.nbytes == 0 and within.keys[0].data_ptr() == large.keys[0].data_ptr()
+    other_ring = engine._cache(8, 72)
+    assert other_ring.nbytes > 0, "another ring length is another allocation"
+    for layer, tensor in enumerate(large.keys):
+        tensor.copy_(torch.arange(64, dtype=tensor.dtype).view(64, 1, 1, 1) + 1000 * layer)
+    within.take_rows(large, torch.tensor([63, 5, 0, 40] + list(range(20, 32))))
+    assert large.keys[1][:4, 0, 0, 0].tolist() == [1063, 1005, 1000, 1040]
+    assert large.keys[1][4:16, 0, 0, 0].tolist() == [1000 + row for row in range(20, 32)]
+    assert large.keys[1][16:, 0, 0, 0].tolist() == [1000 + row for row in range(16, 64)], "rows past 16 kept"
