@@ -7,7 +7,11 @@ as train.gradient_checkpointing defaults to. Two ways:
 
 - padded: micro-batches of 16 rows of the full (P+R) width (train.micro_batch_size: 16,
   pack_sequences: false);
-- packed: the auto token budget (micro_batch_size: auto) over packed rows.
+- packed: the auto token budget (micro_batch_size: auto) over packed rows;
+- packed, no checkpointing: the same with train.gradient_checkpointing: false, whose budget
+  holds fewer tokens (activations are kept) but whose backward recomputes nothing;
+- packed, <= N tokens: the auto budget capped lower (--token-caps): what a smaller, cheaper
+  micro-batch costs in time.
 
 Each is run twice (the first step warms kernels up and, for the budget, measures bytes per
 token); the second is reported: seconds, tokens computed / real tokens, peak GPU memory,
@@ -82,6 +86,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--mean-response", type=float, default=215.0)
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick try")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token-caps", type=int, nargs="*", default=[8192, 16384, 32768],
+                        help="also run packed with the auto budget capped at each (micro_batch_size: auto "
+                             "caps at 65536 real tokens)")
     parser.add_argument("--json", help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -93,18 +100,23 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     initial = Qwen2ForCausalLM(config).to(torch.bfloat16)    # built once (random init of 0.5B takes a while)
     results = {}
-    for name, micro_batch_size, pack in (("padded", 16, False), ("packed", "auto", True)):
+    ways = [("padded", 16, False, True, None), ("packed", "auto", True, True, None),
+            ("packed, no checkpointing", "auto", True, False, None)]
+    ways += [(f"packed, <= {cap} tokens", "auto", True, True, cap) for cap in args.token_caps]
+    for name, micro_batch_size, pack, checkpointing, cap in ways:
         trainable = Trainable(lambda: copy.deepcopy(initial), lr=1e-6, strategy="none", device="cuda",
-                              gradient_checkpointing=True, role_name="actor")
+                              gradient_checkpointing=checkpointing, role_name="actor")
+        if cap:
+            trainable.allocator.max_tokens = cap
         run(trainable, batch, micro_batch_size, pack)            # warm-up; the budget measures bytes per token
         results[name] = run(trainable, batch, micro_batch_size, pack)
         del trainable
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: {args.rows} rows, prompt {args.prompt}, responses geometric mean "
           f"{args.mean_response:g} cut at {args.max_response}, {args.layers} layers, bf16")
-    print(f"{'':8} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'micro-batches':>14}")
+    print(f"{'':26} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'micro-batches':>14}")
     for name, r in results.items():
-        print(f"{name:8} {r['seconds']:8.2f} {r['computed_tokens'] / r['real_tokens']:14.2f} {r['peak_gib']:9.1f} "
+        print(f"{name:26} {r['seconds']:8.2f} {r['computed_tokens'] / r['real_tokens']:14.2f} {r['peak_gib']:9.1f} "
               f"{r['micro_batches']:14d}")
     print(f"speed-up {results['padded']['seconds'] / results['packed']['seconds']:.2f}x")
     record = {"benchmark": "packed_update", "device": torch.cuda.get_device_name(), **vars(args), **results}

@@ -81,6 +81,7 @@ class GroupOutOfMemory(RuntimeError):
 class MicroBatchAllocator:
     headroom: float = 0.8                 # share of free memory a micro-batch may plan to use
     bytes_per_token: float | None = None  # the largest peak activation bytes per token seen so far
+    max_tokens: int = AUTO_MAX_TOKENS     # the most real tokens a budgeted micro-batch takes
 
     def rows(self, max_rows: int, tokens_per_row: int, free_bytes: int | None) -> int:
         """Rows per micro-batch: at most `max_rows`, at least 1.
@@ -95,10 +96,10 @@ class MicroBatchAllocator:
     def tokens(self, first_budget: int, free_bytes: int | None) -> int:
         """Real tokens per micro-batch (the budget of packed micro-batches): `first_budget`
         until a measurement and a memory reading exist, then token_budget of them; never
-        more than AUTO_MAX_TOKENS."""
+        more than max_tokens."""
         if free_bytes is None or not self.bytes_per_token:
-            return min(first_budget, AUTO_MAX_TOKENS)
-        return min(token_budget(free_bytes, self.bytes_per_token, self.headroom), AUTO_MAX_TOKENS)
+            return min(first_budget, self.max_tokens)
+        return min(token_budget(free_bytes, self.bytes_per_token, self.headroom), self.max_tokens)
 
     def observe(self, peak_bytes: int, tokens: int) -> None:
         """Record a micro-batch's peak extra memory; keep the worst case per token."""

@@ -105,6 +105,8 @@ def test_token_budget_maths():
     assert allocator.tokens(18432, None) == 18432               # no reading (CPU)
     assert allocator.tokens(18432, 10**12) == AUTO_MAX_TOKENS   # 0.5 x 1e12 / 5e4 = 1e7: capped
     assert allocator.tokens(10**6, None) == AUTO_MAX_TOKENS
+    allocator.max_tokens = 8192                                 # a lower cap (benchmarks sweep it)
+    assert allocator.tokens(18432, 10**12) == 8192 and allocator.tokens(4096, None) == 4096
 
 
 # -- packed == padded on a real model ---------------------------------------------------------
