@@ -133,5 +133,7 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
     assert diff.mean() < 0.02 and diff.max() < 0.25
     slot_counts = sorted(slots for slots, _ in engine._caches)
     assert slot_counts[-1] == 64 and slot_counts[0] <= 16, slot_counts   # the tail moved into fewer slots
+    largest = max(engine._caches.values(), key=lambda cache: cache.slots)
+    assert sum(cache.nbytes for cache in engine._caches.values()) == largest.nbytes, "fewer slots: views"
     assert stats["slot_use"] > 0.7
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a second request must not recompile"
