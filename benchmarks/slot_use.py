@@ -7,7 +7,15 @@ with probability p (benchmarks/shapes.py end_with_probability), as in the GPU be
     python benchmarks/slot_use.py            # 256 x up to 1024 new tokens, p 0.004 and 0.0075; ~30 s on 2 cores
 
 Prints, per p and per shrink rule (SHRINK_SHARE 2 = halve, 4 = quarter): mean length, decode
-steps, slot use, and the decode steps spent at each slot count.
+steps, slot use, and the decode steps spent at each slot count. With --step-ms (a GPU's
+milliseconds a decode step at each slot count, as rollout_engines.py prints them) it also
+predicts the request's decode seconds on that GPU if the tail stopped shrinking at a floor
+of 8, 16, 32 or 64 slots: the steps below the floor run at the floor's step time (the
+longest row sets the number of steps either way), and each slot count at or above the floor
+is one decode graph to compile.
+
+    python benchmarks/slot_use.py --end-probability 0.004 --shrink-share 2 \
+        --step-ms 256:4.21 128:2.915 64:2.355 32:2.23 16:2.168 8:2.123     # an H100, 12-06
 """
 
 from __future__ import annotations
@@ -42,6 +50,17 @@ def measure(engine, request: GenerationRequest, slots: int) -> dict:
     return {**run.stats, "mean_length": run.stats["tokens"] / len(prompts)}
 
 
+def predicted_seconds(steps_at: dict[int, int], step_ms: dict[int, float], floor: int) -> float:
+    """Decode seconds of a request that spent steps_at[s] steps at s slots, had its tail
+    stopped shrinking at `floor` slots."""
+    return sum(steps * step_ms[max(slots, floor)] for slots, steps in steps_at.items()) / 1000
+
+
+def step_time(text: str) -> tuple[int, float]:
+    slots, ms = text.split(":")
+    return int(slots), float(ms)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=256)
@@ -49,6 +68,8 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--end-probability", type=float, nargs="+", default=[0.004, 0.0075])
     parser.add_argument("--shrink-share", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--step-ms", type=step_time, nargs="*", default=[], metavar="SLOTS:MS",
+                        help="a GPU's milliseconds a decode step at each slot count, e.g. 256:4.21 128:2.92")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     directory = create_tiny_model(Path(tempfile.mkdtemp(prefix="slot-use-")) / "tiny", seed=0)
@@ -69,6 +90,11 @@ def main(argv=None) -> None:
                       f"{row['decode_steps']} decode steps, slot use {row['slot_use']:.2f}; decode steps at "
                       + ", ".join(f"{slots} slots: {steps}" for slots, steps in sorted(row["decode_steps_at"].items(),
                                                                                      reverse=True)), flush=True)
+                step_ms = dict(args.step_ms)
+                for floor in (8, 16, 32, 64) if step_ms else ():
+                    counts = len({max(slots, floor) for slots in row["decode_steps_at"]})
+                    print(f"  tail floor {floor:2d} slots: {predicted_seconds(row['decode_steps_at'], step_ms, floor):.3f} s "
+                          f"decoding predicted, {counts} decode graphs", flush=True)
         finally:
             hook.remove()
 
