@@ -178,7 +178,8 @@ class SlotRun:
 
     def _shrink(self, active: torch.Tensor) -> None:
         """Move the live slots (and enough empty ones to fill a power of two) into a cache
-        of fewer slots: the tail of the request decodes at a smaller batch."""
+        of fewer slots, the first rows of the request's own (no new allocation): the tail of
+        the request decodes at a smaller batch."""
         live = active.nonzero().flatten().tolist()
         slots = bucket_batch(len(live))
         empty = (~active).nonzero().flatten().tolist()[:slots - len(live)]
