@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import end_with_probability, save_qwen2_05b, word_prompts  # noqa: E402
+from shapes import decode_seconds, end_with_probability, save_qwen2_05b, word_prompts  # noqa: E402
 
 SAMPLES = 8
 PROMPT_TOKENS = 128
@@ -111,11 +111,6 @@ def engine_stats(dask_worker=None) -> dict | None:
     return None if rollout is None else dict(getattr(rollout.engine, "last_stats", {}))
 
 
-def decode_seconds(stats: dict) -> float:
-    """Seconds the engine spent in decode steps (prefills included) on its last request."""
-    return sum(stats["step_ms"][slots] * steps for slots, steps in stats["decode_steps_at"].items()) / 1e3
-
-
 def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[str, float]:
     from pipeline import HybridTrainer
     from pipeline.roles.host import load_times
@@ -164,7 +159,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                 for stats in client.run(engine_stats).values():
                     if stats and "slot_use" in stats:
                         slot_use.append(stats["slot_use"])
-                        engine_seconds.append(decode_seconds(stats))
+                        engine_seconds.append(decode_seconds(stats["decode_steps_at"], stats["step_ms"]))
                         print(f"  rollout engine, its last request: {engine_seconds[-1]:.2f} s decoding, slot use "
                               f"{slot_use[-1]:.2f}", flush=True)
 

@@ -84,6 +84,13 @@ def end_with_probability(model, eos_id: int, probability):
     return model.get_output_embeddings().register_forward_hook(hook)
 
 
+def decode_seconds(steps_at: dict[int, int], step_ms: dict[int, float], floor: int = 0) -> float:
+    """Seconds of a request's decode steps: steps_at[s] steps at s slots, each taking
+    step_ms[s] milliseconds (the cuda_graph engine's last_stats). With `floor`, the steps at
+    fewer slots are timed at the floor's step: the tail had stopped shrinking there."""
+    return sum(steps * step_ms[max(slots, floor)] for slots, steps in steps_at.items()) / 1000
+
+
 def mean_geometric_length(probability: float, cap: int) -> float:
     """Expected response length when each token ends it with `probability`, cut at `cap`."""
     return (1 - (1 - probability) ** cap) / probability

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.shapes import end_with_probability  # noqa: E402
+from benchmarks.shapes import decode_seconds, end_with_probability  # noqa: E402
 from pipeline.engines import continuous  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine, bucket_length  # noqa: E402
 from pipeline.engines.hf import repeat_prompts  # noqa: E402
@@ -48,12 +48,6 @@ def measure(engine, request: GenerationRequest, slots: int) -> dict:
     run.check_every = continuous.EOS_CHECK_EVERY
     run.run()
     return {**run.stats, "mean_length": run.stats["tokens"] / len(prompts)}
-
-
-def predicted_seconds(steps_at: dict[int, int], step_ms: dict[int, float], floor: int) -> float:
-    """Decode seconds of a request that spent steps_at[s] steps at s slots, had its tail
-    stopped shrinking at `floor` slots."""
-    return sum(steps * step_ms[max(slots, floor)] for slots, steps in steps_at.items()) / 1000
 
 
 def step_time(text: str) -> tuple[int, float]:
@@ -93,7 +87,7 @@ def main(argv=None) -> None:
                 step_ms = dict(args.step_ms)
                 for floor in (8, 16, 32, 64) if step_ms else ():
                     counts = len({max(slots, floor) for slots in row["decode_steps_at"]})
-                    print(f"  tail floor {floor:2d} slots: {predicted_seconds(row['decode_steps_at'], step_ms, floor):.3f} s "
+                    print(f"  tail floor {floor:2d} slots: {decode_seconds(row['decode_steps_at'], step_ms, floor):.3f} s "
                           f"decoding predicted, {counts} decode graphs", flush=True)
         finally:
             hook.remove()

@@ -81,7 +81,7 @@ class SlotRun:
         self.logprob = torch.zeros(slots, dtype=torch.float32, device=device)
         self._refill(list(range(slots)))
 
-    @torch.no_grad()   # the slot caches are written in place (index_select with out= has no gradient)
+    @torch.no_grad()   # decode steps and the slot caches' in-place writes record no autograd graph
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         steps_at: Counter[int] = Counter()        # decode steps at each slot count
         seconds_at: Counter[int] = Counter()      # their wall time, read at the sync points
