@@ -43,9 +43,7 @@ class PolicyUpdate:
         first result, and a group that lost or freed a rank rebuilds from its last good state."""
         redone_loss = False
         while True:
-            for role in self._lost_roles():  # a killed worker's Nanny restarts it: wait for it
-                self.fleet.await_replacements(role)
-            try:
+            try:  # a rank lost since the last update is awaited as the ranks are chosen (_rank_tasks)
                 return self._once(experience)
             except GroupOutOfMemory as error:
                 self._cap_micro_batches(error)
@@ -142,7 +140,7 @@ class PolicyUpdate:
 
     def _rank_tasks(self, role: str, fn, experience, step) -> tuple[list[str], list]:
         """One task per rank, pinned to its worker (ranks must run at the same time)."""
-        workers = self.fleet.addresses(role)
+        workers = self.fleet.rank_workers(role)
         rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches, role)
         groups = self.fleet.rank_groups(role, workers)
         return workers, [self.fleet.submit(role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,

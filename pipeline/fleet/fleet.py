@@ -190,10 +190,23 @@ class Fleet:
         """Where the role's rank 0 saves its state after an update (see roles/saved_state.py)."""
         return recovery_path(self.snapshot_dir, role)
 
-    def lost_member(self, role: str) -> bool:
-        """Whether a worker of the role's current process group is gone."""
+    def lost_member(self, role: str, live: list[str] | None = None) -> bool:
+        """Whether a worker of the role's current process group is gone (from `live`, the
+        role's live addresses, when the caller has read them)."""
         members = self.groups.members(role)
-        return members is not None and not set(members) <= set(self.addresses(role))
+        return members is not None and not set(members) <= set(self.addresses(role) if live is None else live)
+
+    def rank_workers(self, role: str) -> list[str]:
+        """The workers the role's next update runs on. When a member of its group is gone (a
+        killed worker's Nanny restarts it), the replacement is awaited first, so that the
+        update runs on a full group. One read of the live workers decides: a loss seen by an
+        earlier check but not by the read that forms the group would form it without the
+        replacement."""
+        workers = self.addresses(role)
+        if self.lost_member(role, workers):
+            self.await_replacements(role)
+            workers = self.addresses(role)
+        return workers
 
     def free_survivors(self, role: str) -> None:
         """After a rank was lost or failed mid-collective: the group's other ranks may sit in a

@@ -66,7 +66,9 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
         lost = scheduler_lost(client, f"waiting for {role}: {what}")
         if lost is not None:  # its futures were cancelled with it: nothing below would end well
             raise lost
-        pending = [f for f in futures if f.status == "pending"]
+        # "lost": it had finished, but the worker holding its result died before the result
+        # was fetched. Dask computes it again (or, pinned to that worker, cannot): pending.
+        pending = [f for f in futures if f.status in ("pending", "lost")]
         failed = [f for f in futures if f.status == "error"]
         if failed:
             client.cancel(pending)
@@ -74,8 +76,8 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
         if not pending:
             # Not client.gather: when the worker holding a result dies before it is fetched,
             # Dask reschedules the task, and a task pinned to that worker would make gather
-            # wait forever. A bounded fetch notices it (the task is pending again) and goes
-            # back to the checks above; a merely slow transfer gets a longer bound next time.
+            # wait forever. A bounded fetch notices it (the task is pending or lost again) and
+            # goes back to the checks above; a merely slow transfer gets a longer bound next time.
             try:
                 return [f.result(timeout=fetch_seconds) for f in futures]
             except TimeoutError:

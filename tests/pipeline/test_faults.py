@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 
+import distributed
 import pytest
 import torch
 from conftest import role_cluster
@@ -23,7 +24,7 @@ from conftest import role_cluster
 from pipeline import weights
 from pipeline.rewards import digit_fraction
 from pipeline.roles.host import worker_identity
-from pipeline.fleet.tasks import submit
+from pipeline.fleet.tasks import WorkerLost, submit, wait_role
 from pipeline.trainer import HybridTrainer
 from resources import load_resource_config
 
@@ -124,6 +125,53 @@ def test_an_actor_rank_killed_during_its_update_costs_one_redo_and_changes_nothi
     # The redo started when the loss was seen, not after waiting out timeout_seconds (a
     # replacement's start is left out of the bound: on a loaded machine it alone takes 30-60 s).
     assert seconds < fault_free[2] + LAYOUT["timeout_seconds"]
+
+
+@pytest.fixture(scope="module")
+def judges():
+    """Two bare worker processes carrying a "judge" role, each under a Nanny that restarts it."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, resources={"judge": 1},
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _lose_a_finished_result(client, future) -> None:
+    """Kill the worker holding `future`'s finished (not yet fetched) result; return once the
+    scheduler has removed that worker."""
+    distributed.wait([future])
+    holder = next(iter(client.who_has([future])[future.key]))
+    os.kill(client.run(os.getpid, workers=[holder])[holder], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while holder in client.scheduler_info()["workers"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holder not in client.scheduler_info()["workers"]
+
+
+def test_a_result_lost_with_its_pinned_worker_ends_the_wait_at_once(judges):
+    """Its worker died after the task finished, before its result was fetched: Dask marks the
+    future lost and cannot run it again (it is pinned there). The wait names the worker within
+    seconds; it used to fetch in ever longer tries until timeout_seconds ran out."""
+    target = sorted(judges.scheduler_info()["workers"])[0]
+    future = submit(judges, "judge", sum, [1, 2], tag="pinned", workers=[target])
+    _lose_a_finished_result(judges, future)
+    deadline = time.monotonic() + 30
+    while future.status == "finished" and time.monotonic() < deadline:  # the scheduler's word on its way
+        time.sleep(0.01)
+    assert future.status == "lost"
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match=f"worker {target} left the cluster during verdicts"):
+        wait_role(judges, [future], "judge", "verdicts", timeout=60, pinned={future.key: (target,)})
+    assert time.monotonic() - start < 10
+
+
+def test_a_lost_result_that_may_run_elsewhere_is_computed_again(judges):
+    future = submit(judges, "judge", sum, [3, 4], tag="free")
+    _lose_a_finished_result(judges, future)
+    start = time.monotonic()
+    assert wait_role(judges, [future], "judge", "verdicts", timeout=60) == [7]
+    assert time.monotonic() - start < 10
 
 
 def _kill_during_generation(cluster, pid: int, after_batch: int = 0) -> threading.Thread:
