@@ -12,6 +12,20 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 
+@dataclass(frozen=True)
+class CarriedRow:
+    """A sample a partial rollout left unfinished (train.partial_rollouts), or a finished
+    sibling of one (its group is trained whole): the next request continues it where it
+    stopped, with the newer weights, and keeps the tokens it has."""
+
+    prompt_ids: list[int]            # the prompt, unpadded
+    response_ids: list[int]          # the tokens generated so far (none: it never started)
+    logprobs: list[float]            # their behaviour logprobs, from the versions that sampled them
+    group_id: int
+    born: int | None                 # the policy version of its first token (None: no token yet)
+    ended: bool = False              # it reached its end already; only its group is unfinished
+
+
 @dataclass
 class GenerationRequest:
     """One rollout worker's share of a step's prompts."""
@@ -32,6 +46,17 @@ class GenerationRequest:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    # Partial rollouts (train.partial_rollouts, the cuda_graph engine): rows carried from the
+    # request before go first. The engine may end the request once `complete_groups` groups
+    # have every sample finished (0: every sample runs to its end) and no carried row that
+    # started before version `finish_born_before` is left; what is unfinished then is carried.
+    carried: tuple[CarriedRow, ...] = ()
+    complete_groups: int = 0
+    finish_born_before: int = 0
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.carried) or self.complete_groups > 0
 
 
 @dataclass
@@ -51,10 +76,20 @@ class Rollout:
     # (B,) bool: the response reached max_new_tokens without any stop. Engines always set it;
     # a record built by hand without it says no row was clipped.
     clipped: torch.Tensor | None = None
+    # Partial rollouts: (B,) bool, the rows the request ended before they did (carried to the
+    # next one); (B,) int64, the policy version of each row's first token (-1: none yet).
+    # Without partial rollouts no row is unfinished and every row is of policy_version.
+    unfinished: torch.Tensor | None = None
+    born: torch.Tensor | None = None
 
     def __post_init__(self):
+        rows = self.input_ids.shape[0]
         if self.clipped is None:
-            self.clipped = torch.zeros(self.input_ids.shape[0], dtype=torch.bool)
+            self.clipped = torch.zeros(rows, dtype=torch.bool)
+        if self.unfinished is None:
+            self.unfinished = torch.zeros(rows, dtype=torch.bool)
+        if self.born is None:
+            self.born = torch.full((rows,), self.policy_version, dtype=torch.long)
 
     @property
     def responses(self) -> torch.Tensor:
@@ -183,6 +218,8 @@ def join_shards(rollouts: list[Rollout], **per_token: list[torch.Tensor]) -> tup
         policy_version=rollouts[0].policy_version,
         prompt_length=prompt_length,
         clipped=torch.cat([p.clipped for p in rollouts]),
+        unfinished=torch.cat([p.unfinished for p in rollouts]),
+        born=torch.cat([p.born for p in rollouts]),
     )
     return rollout, {name: cat(parts) for name, parts in per_token.items() if parts}
 

@@ -39,7 +39,9 @@ import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
 from pipeline.engines.continuous import SlotRun, bucket_batch
-from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of
+from pipeline.engines.hf import (
+    PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
+)
 from pipeline.engines.sampling import sample_tokens
 from pipeline.engines.slots import SlotCache, slot_cache_bytes, use_slot_attention
 from pipeline.records import GenerationRequest, Rollout
@@ -99,6 +101,8 @@ class CudaGraphEngine:
     def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
         require_decode(self.decode, request.stop_strings)
         prompts, groups = repeat_prompts(request)
+        carried = request.carried   # a partial rollout's unfinished groups go first
+        prompts, groups = [row.prompt_ids for row in carried] + prompts, [row.group_id for row in carried] + groups
         width = bucket_length(max(len(p) for p in prompts), self.prompt_bucket)
         # Slots from the memory free now, re-read for every request; an out-of-memory error
         # halves them and runs the request again.
@@ -107,7 +111,8 @@ class CudaGraphEngine:
             torch.manual_seed(request.seed)
             failure = None
             try:
-                responses, logprobs = self._generate_in_slots(prompts, width, request)
+                responses, logprobs, partial = self._generate_in_slots(prompts, groups, width, request,
+                                                                       policy_version)
                 break
             except torch.OutOfMemoryError as error:
                 failure = first_line(error)
@@ -119,7 +124,7 @@ class CudaGraphEngine:
         ids, mask = left_pad(prompts, self.pad_id, width=width)
         return assemble_rollout(ids, mask, responses, logprobs, groups, stop_ids_of(request, self.eos_id),
                                 policy_version, pad_id=self.pad_id, decode=self.decode,
-                                stop_strings=request.stop_strings)
+                                stop_strings=request.stop_strings, partial=partial)
 
     def _plan(self, sequences: int, prompt_length: int, length: int) -> int:
         """Decode slots: a power of two, at most max_batch_size, that fits the memory free
@@ -148,15 +153,22 @@ class CudaGraphEngine:
         self.batch = batch
         self._caches.clear()
 
-    def _generate_in_slots(self, prompts: list[list[int]], width: int, request: GenerationRequest
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _generate_in_slots(self, prompts: list[list[int]], groups: list[int], width: int,
+                           request: GenerationRequest, policy_version: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, PartialRows | None]:
         """Every prompt's response through the slots -> (N, T) responses (pad after a stop
         id; a stop string may be overshot by up to continuous.EOS_CHECK_EVERY tokens, cut by
-        assemble_rollout) and their logprobs, on the CPU."""
-        run = SlotRun(self, prompts, width, request, min(self.batch, bucket_batch(len(prompts))))
+        assemble_rollout) and their logprobs, on the CPU; for a partial rollout, its rows."""
+        run = SlotRun(self, prompts, width, request, min(self.batch, bucket_batch(len(prompts))), groups)
         tokens, logprobs = run.run()
         self.last_stats = run.stats
-        return tokens, logprobs
+        if not request.partial:
+            return tokens, logprobs, None
+        born = torch.where(run.started, policy_version, -1)   # a row's first token is of this version...
+        for i, row in enumerate(request.carried):              # ...unless it came with tokens
+            if row.born is not None:
+                born[i] = row.born
+        return tokens, logprobs, PartialRows(run.unfinished, run.lengths[:run.sink].cpu(), born)
 
     def _decode_step(self, token, position_ids, column, mask, cache, temperature: float, top_k: int,
                      top_p: float, min_p: float):

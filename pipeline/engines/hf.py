@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -81,19 +82,27 @@ def response_mask_until_stop(responses: torch.Tensor, stop_ids: tuple[int, ...],
 def assemble_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
                      logprobs: torch.Tensor, group_ids: list[int], stop_ids: tuple[int, ...], policy_version: int,
                      *, pad_id: int, decode: Callable | None = None, stop_strings: tuple[str, ...] = (),
-                     engine_string_ends: torch.Tensor | None = None) -> Rollout:
+                     engine_string_ends: torch.Tensor | None = None, partial: PartialRows | None = None
+                     ) -> Rollout:
     """A Rollout from left-padded prompts (B, P) and right-padded responses with their
     sampled tokens' logprobs (B, R); the same record whatever engine generated it. Tokens
     past each row's stop (an engine may overshoot a stop string) become padding.
 
     `engine_string_ends` (B,): where an engine with its own stop-string search (vLLM, with
     its own tokenizer) ended rows, -1 elsewhere. A row ends at the earlier of that and what
-    `decode` finds, so a row the engine ended is never taken for an unfinished one."""
+    `decode` finds, so a row the engine ended is never taken for an unfinished one.
+
+    `partial`: the rows a partial rollout ended before they did, which hold `lengths` tokens
+    (no stop among them), and each row's first token's version."""
     ends = stop_string_ends(responses, stop_ids, decode, stop_strings)
     if engine_string_ends is not None:
         both = (ends >= 0) & (engine_string_ends >= 0)
         ends = torch.where(both, torch.minimum(ends, engine_string_ends), torch.maximum(ends, engine_string_ends))
     response_mask, clipped = response_mask_until_stop(responses, stop_ids, ends)
+    if partial is not None:  # an unfinished row is neither stopped nor clipped: its tokens so far
+        so_far = (torch.arange(responses.shape[1]) < partial.lengths[:, None]).float()
+        response_mask = torch.where(partial.unfinished[:, None], so_far, response_mask)
+        clipped = clipped & ~partial.unfinished
     responses = responses.masked_fill(response_mask == 0, pad_id)
     return Rollout(
         input_ids=torch.cat([prompt_ids, responses], dim=1),
@@ -104,7 +113,27 @@ def assemble_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, respon
         policy_version=policy_version,
         prompt_length=prompt_ids.shape[1],
         clipped=clipped,
+        unfinished=None if partial is None else partial.unfinished,
+        born=None if partial is None else partial.born,
     )
+
+
+@dataclass(frozen=True)
+class PartialRows:
+    """What a partial rollout adds to a record: (B,) bool unfinished rows, (B,) int64 tokens
+    each row holds, (B,) int64 version of each row's first token (-1: none)."""
+
+    unfinished: torch.Tensor
+    lengths: torch.Tensor
+    born: torch.Tensor
+
+
+def refuse_partial(request: GenerationRequest, engine: str) -> None:
+    """Partial rollouts need an engine that ends a request by groups and continues rows."""
+    if request.partial:
+        raise ValueError(f"train.partial_rollouts: the {engine} engine generates every row to its end. Fix: set "
+                         f"rollout.strategy: cuda_graph in the resource file (it runs eagerly on a CPU), or turn "
+                         f"partial_rollouts off.")
 
 
 class FilterLogits:
@@ -157,6 +186,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
         require_decode(self.decode, request.stop_strings)
+        refuse_partial(request, "hf")
         prompts, groups = repeat_prompts(request)
         ids, mask = left_pad(prompts, self.pad_id)
         torch.manual_seed(request.seed)

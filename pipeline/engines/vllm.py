@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from pipeline.engines.hf import assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of
+from pipeline.engines.hf import assemble_rollout, left_pad, refuse_partial, repeat_prompts, require_decode, stop_ids_of
 from pipeline.records import GenerationRequest, Rollout
 
 # Defaults for vLLM on a CPU machine, set only where the caller has not set them:
@@ -125,6 +125,7 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
+        refuse_partial(request, "vllm")
         vllm = self._vllm
         n = request.samples_per_prompt
         if not request.temperature > 0:

@@ -1,0 +1,137 @@
+"""Partial rollouts: the cuda_graph engine (eagerly on CPU) ends a request once enough groups
+are complete, and the next request continues the unfinished rows where they stopped; what a
+step trains on and what it carries (pipeline/partial.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.engines.cuda_graph import CudaGraphEngine
+from pipeline.engines.hf import HFEngine
+from pipeline.models import load_causal_lm, load_tokenizer
+from pipeline.partial import carried_part, finish_born_before, shard_carried, trained_part
+from pipeline.records import GenerationRequest, Rollout
+from pipeline.roles.forward import response_logprobs
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model):
+    return load_causal_lm(tiny_model), load_tokenizer(tiny_model)
+
+
+def _prompts(tokenizer, first: int, count: int) -> list[list[int]]:
+    return [tokenizer(f"what is {i} plus {i * 7}? answer: ")["input_ids"][: 8 + i % 9]
+            for i in range(first, first + count)]
+
+
+def _eos_bias(model, eos: int, bias: float):
+    def raise_eos(module, args, logits):
+        logits[..., eos] += bias
+        return logits
+    return model.lm_head.register_forward_hook(raise_eos)
+
+
+def _complete_groups(rollout: Rollout) -> set[int]:
+    return set(rollout.group_ids.tolist()) - set(rollout.group_ids[rollout.unfinished].tolist())
+
+
+def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_rest(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    eos = tokenizer.eos_token_id
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu", max_batch_size=8,
+                             prompt_bucket=16)
+    # 16 groups of 4 through 8 slots; the request may end once 4 groups are complete.
+    first = GenerationRequest(_prompts(tokenizer, 0, 16), list(range(16)), 4, 24, 1.0, seed=5, complete_groups=4)
+    hook = _eos_bias(model, eos, 1.0)
+    try:
+        rollout = engine.generate(first, policy_version=0)
+        complete = _complete_groups(rollout)
+        assert len(complete) >= 4 and len(complete) < 16, "it should end before the queue is empty"
+        unfinished = rollout.unfinished
+        assert unfinished.any()
+        lengths = rollout.response_mask.sum(-1).long()
+        for row in unfinished.nonzero().flatten().tolist():   # its tokens so far: no stop, not clipped
+            assert eos not in rollout.responses[row, :lengths[row]].tolist()
+            assert not rollout.clipped[row] and lengths[row] < 24
+        never_started = lengths == 0
+        assert never_started.any(), "sequences still waiting in the queue are carried too"
+        assert (rollout.born == torch.where(never_started, -1, 0)).all()
+        # Every token's logprob, finished or not, is the policy's (under the same bias).
+        expected = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+                                     1.0) * rollout.response_mask
+        torch.testing.assert_close(rollout.behavior_logprobs, expected, atol=2e-5, rtol=0)
+
+        trained, carried = trained_part(rollout), carried_part(rollout)
+        assert set(trained.group_ids.tolist()) == complete and not trained.unfinished.any()
+        assert len(trained) + len(carried) == 64 and {r.group_id for r in carried}.isdisjoint(complete)
+        assert sum(r.ended for r in carried) == int((~unfinished).sum()) - len(trained)
+
+        # The next request, a version later: 2 new groups behind the carried ones. Rows that
+        # started at v0 must end now (finish_born_before 1): the request runs until they have.
+        second = GenerationRequest(_prompts(tokenizer, 16, 2), [16, 17], 4, 24, 1.0, seed=6, carried=carried,
+                                   complete_groups=2, finish_born_before=finish_born_before(1, 1))
+        continued = engine.generate(second, policy_version=1)
+        assert len(continued) == len(carried) + 8
+        started_before = [i for i, row in enumerate(carried) if row.born is not None]
+        assert not continued.unfinished[started_before].any()
+        for i, row in enumerate(carried):   # each continues from its own tokens and logprobs
+            prompt, response = continued.token_ids(i)
+            assert prompt == row.prompt_ids and response[:len(row.response_ids)] == row.response_ids
+            if row.ended:
+                assert response == row.response_ids
+            kept = continued.behavior_logprobs[i, :len(row.logprobs)]
+            assert kept.tolist() == pytest.approx(row.logprobs, abs=0)
+            assert int(continued.born[i]) == (0 if row.born == 0 else 1 if response else -1)
+        expected = response_logprobs(model, continued.input_ids, continued.attention_mask,
+                                     continued.prompt_length, 1.0) * continued.response_mask
+        torch.testing.assert_close(continued.behavior_logprobs, expected, atol=2e-5, rtol=0)
+        # Each row ends at its first EOS or at max_new_tokens, never before, across the two requests.
+        for row in (~continued.unfinished).nonzero().flatten().tolist():
+            ids = continued.token_ids(row)[1]
+            assert (ids[-1] == eos) != bool(continued.clipped[row]) and eos not in ids[:-1]
+            assert len(ids) <= 24
+    finally:
+        hook.remove()
+    stats = engine.last_stats
+    # The request's own tokens: what the carried rows came with is not counted again.
+    own = int(continued.response_mask.sum()) - sum(len(r.response_ids) for r in carried)
+    assert stats["tokens"] == own and stats["carried_out"] == int(continued.unfinished.sum())
+
+
+def _hand_rollout() -> Rollout:
+    """Groups 7 (rows 0-1), 8 (rows 2-3), 9 (rows 4-5); row 3 unfinished, row 5 never started."""
+    ids = torch.tensor([[0, 5, 11, 1, 0], [0, 5, 12, 13, 1], [6, 6, 14, 15, 16], [6, 6, 17, 18, 0],
+                        [0, 7, 1, 0, 0], [0, 7, 0, 0, 0]])
+    response_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]]).float()
+    prompt_mask = torch.tensor([[0, 1], [0, 1], [1, 1], [1, 1], [0, 1], [0, 1]])
+    logprobs = -torch.arange(1, 19, dtype=torch.float32).view(6, 3) / 10 * response_mask
+    return Rollout(ids, torch.cat([prompt_mask, response_mask.long()], 1), response_mask, logprobs,
+                   torch.tensor([7, 7, 8, 8, 9, 9]), policy_version=4, prompt_length=2,
+                   unfinished=torch.tensor([False, False, False, True, False, True]),
+                   born=torch.tensor([4, 4, 3, 3, 4, -1]))
+
+
+def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
+    rollout = _hand_rollout()
+    assert trained_part(rollout).group_ids.tolist() == [7, 7]
+    carried = carried_part(rollout)
+    assert [(r.prompt_ids, r.response_ids, r.group_id, r.born, r.ended) for r in carried] == [
+        ([6, 6], [14, 15, 16], 8, 3, True), ([6, 6], [17, 18], 8, 3, False),
+        ([7], [1], 9, 4, True), ([7], [], 9, None, False)]
+    assert [r.logprobs for r in carried] == [pytest.approx([-0.7, -0.8, -0.9]), pytest.approx([-1.0, -1.1]),
+                                             pytest.approx([-1.3]), []]
+    # Two shards: groups whole, alternating, oldest first.
+    assert [[r.group_id for r in shard] for shard in shard_carried(carried, 2)] == [[8, 8], [9, 9]]
+    # Trained by the update from v5 at the earliest if carried once more: with max_staleness 1
+    # a row born at v4 or before must end in the request generated with v5.
+    assert finish_born_before(5, 1) == 5 and finish_born_before(5, 2) == 4
+
+
+def test_engines_that_run_every_row_to_its_end_refuse_a_partial_request(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu")
+    request = GenerationRequest(_prompts(tokenizer, 0, 2), [0, 1], 2, 4, 1.0, seed=1, complete_groups=1)
+    with pytest.raises(ValueError, match="train.partial_rollouts: the hf engine .* Fix: set rollout.strategy: "
+                                         "cuda_graph"):
+        engine.generate(request, policy_version=0)
