@@ -162,6 +162,11 @@ class TrainConfig:
     # has prompts_per_step groups that differ.
     filter_groups: bool = False
     filter_groups_max_draws: int = 4
+    # Partial rollouts (the cuda_graph engine): a step's rollout ends once its prompts_per_step
+    # groups are complete; unfinished rows continue in the next step's rollout with the newer
+    # weights. Batches are then not generated ahead; max_staleness bounds the age of a row's
+    # oldest token when it is trained on.
+    partial_rollouts: bool = False
     overlong_filter: bool = False         # DAPO: responses cut at max_new_tokens leave the loss
 
     def __post_init__(self):
@@ -260,6 +265,10 @@ class TrainConfig:
                               "use samples_per_prompt of 2 or more with it, or leave it out"),
             "filter_groups_max_draws": (0 <= self.filter_groups_max_draws <= 100,
                                         "use 0 to 100 extra draws a step, e.g. 4"),
+            # A carried row's first tokens are a version older than the policy that trains on them.
+            "partial_rollouts": (not self.partial_rollouts or (self.max_staleness >= 1 and not self.filter_groups),
+                                 "set max_staleness: 1 or more with it (the versions a carried row's tokens may "
+                                 "lag), and leave filter_groups off"),
         }
 
     @property

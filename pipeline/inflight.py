@@ -1,9 +1,15 @@
 """The batches in flight: each step's prompts submitted for generation, and scoring,
 reference and critic passes chained on each shard as it lands, `max_staleness` steps ahead
-of the update that consumes them."""
+of the update that consumes them.
+
+With partial rollouts (train.partial_rollouts) a shard's rollout holds more rows than the
+step trains on: the groups it completed are scored and trained on, the others are carried
+into the next batch's requests (pipeline/partial.py), which is therefore submitted only once
+this one has been generated."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -12,8 +18,9 @@ import torch
 
 from pipeline import events
 from pipeline.config import TrainConfig
+from pipeline import partial
 from pipeline.data import PromptStream
-from pipeline.records import GenerationRequest, RewardInputs, join_scores
+from pipeline.records import CarriedRow, GenerationRequest, RewardInputs, join_scores
 from pipeline.screening import informative_groups
 from pipeline.roles import critic, reference, reward, rollout
 
@@ -44,6 +51,11 @@ class InFlight:
         self.stop_token_ids = stop_token_ids  # the model's ends of turn (models.stop_token_ids)
         self._pending: deque[InFlightBatch] = deque()
         self._submitted = 0
+        # Partial rollouts: the last batch's carried rows, futures (one per shard) until the
+        # next batch, a checkpoint or a record reads them; then the rows.
+        self._carry: list = []
+        self._carried: tuple[CarriedRow, ...] = ()
+        self.ahead = 0 if train_config.partial_rollouts else train_config.max_staleness
 
     def next(self, version: int, weights) -> InFlightBatch:
         """The oldest in-flight batch no more than max_staleness versions old (older ones are
@@ -56,9 +68,20 @@ class InFlight:
             events.emit("stale-batch", f"dropped a batch of version {batch.version} at version {version} "
                         f"(max_staleness {tc.max_staleness})", client=self.fleet.client)
             batch = self._pending.popleft() if self._pending else self._submit(version, weights)
-        while len(self._pending) < tc.max_staleness:
+        while len(self._pending) < self.ahead:
             self._pending.append(self._submit(version, weights))
         return batch
+
+    def carried_rows(self) -> tuple[CarriedRow, ...]:
+        """The rows the next batch continues (partial rollouts), fetched once."""
+        if self._carry:
+            parts = self.fleet.wait("rollout", self._carry, "the rows partial rollouts carry")
+            self._carried, self._carry = tuple(row for part in parts for row in part), []
+        return self._carried
+
+    def restore_carried(self, rows: tuple[CarriedRow, ...]) -> None:
+        """A resumed run's first batch continues the rows the checkpoint's run carried."""
+        self._carried, self._carry = rows, []
 
     def _submit(self, version: int, weights) -> InFlightBatch:
         """Submit generation for one step's prompts, and scoring that starts as each shard lands."""
@@ -87,9 +110,13 @@ class InFlight:
     def _add_shards(self, batch: InFlightBatch, weights, tag: str) -> None:
         """Draw prompts_per_step prompts into `batch`, a shard per rollout worker."""
         tc, fleet = self.train_config, self.fleet
-        prompts, draws = self.prompts.next_batch(tc.prompts_per_step)
+        carried = self.carried_rows() if tc.partial_rollouts else ()
+        self._carried = ()
+        prompts, draws = self.prompts.next_batch(partial.new_groups(tc.prompts_per_step, carried)
+                                                 if tc.partial_rollouts else tc.prompts_per_step)
         n_shards = max(1, min(len(fleet.addresses("rollout")), len(prompts)))
         first = len(batch.rollouts)  # shards already in the batch: every shard gets its own seed
+        carried = partial.shard_carried(carried, n_shards) if tc.partial_rollouts else None
         for shard in range(n_shards):
             request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
                                         samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,
@@ -97,11 +124,20 @@ class InFlight:
                                         seed=tc.seed * 1_000_003 + batch.index * 1009 + first + shard,
                                         stop_token_ids=self.stop_token_ids, stop_strings=tc.stop, top_k=tc.top_k,
                                         top_p=tc.top_p, min_p=tc.min_p)
+            if carried is not None:   # its carried groups first; it ends at its share of prompts_per_step
+                request = dataclasses.replace(
+                    request, carried=carried[shard],
+                    complete_groups=len(range(tc.prompts_per_step)[shard::n_shards]),
+                    finish_born_before=partial.finish_born_before(batch.version, tc.max_staleness))
             shard_tag = f"{tag}-{shard}"
             generated = fleet.submit("rollout", rollout.generate, request, weights, tag=shard_tag)
+            if carried is not None:
+                self._carry.append(fleet.submit("rollout", partial.carried_part, generated, tag=shard_tag))
+                generated = fleet.submit("rollout", partial.trained_part, generated, tag=shard_tag)
+            groups = list(dict.fromkeys([row.group_id for row in request.carried] + request.group_ids))
             batch.rollouts.append(generated)
             batch.scores.append(fleet.submit("reward", reward.score, generated,
-                                             self._reward_inputs(request.group_ids), tag=shard_tag))
+                                             self._reward_inputs(groups), tag=shard_tag))
             if "reference" in self.roles:
                 batch.ref_logprobs.append(fleet.submit("reference", reference.ref_logprobs, generated,
                                                        tc.temperature, tag=shard_tag))
@@ -131,3 +167,5 @@ class InFlight:
         for batch in self._pending:
             self.fleet.client.cancel(batch.futures)
         self._pending.clear()
+        self.fleet.client.cancel(self._carry)
+        self._carry = []

@@ -34,7 +34,7 @@ class StepRecord:
     response_length: float            # mean generated tokens per sample
     tokens: int                       # generated tokens trained on
     seconds: float
-    staleness: float                  # mean (current version - generating version) of the batch
+    staleness: float                  # mean over rows of (version trained - version of the row's first token)
     losses: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     reward_std: float = 0.0           # spread of the batch's rewards (population std)
@@ -51,13 +51,16 @@ class StepRecord:
     uninformative_groups: int = 0
     extra_draws: int = 0
     evaluation: dict[str, float] = field(default_factory=dict)  # "eval/..." figures finished during the step
+    staleness_max: int = 0            # the oldest row's (max_staleness bounds it)
+    carried_rows: int = 0             # train.partial_rollouts: unfinished rows the next step continues
 
     def figures(self) -> dict[str, float]:
         """The step's numbers, flat: a line of metrics.jsonl, a TensorBoard scalar each."""
         return {"step": self.step, "policy_version": self.policy_version, "reward": self.reward_mean,
                 "kl": self.kl_mean, "response_length": self.response_length, "tokens": self.tokens,
                 "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
-                "staleness": self.staleness, "clipped_fraction": self.clipped_fraction, "dropped_samples": self.dropped_samples,
+                "staleness": self.staleness, "staleness_max": self.staleness_max, "carried_rows": self.carried_rows,
+                "clipped_fraction": self.clipped_fraction, "dropped_samples": self.dropped_samples,
                 "oom_backoffs": self.oom_backoffs, "uninformative_groups": self.uninformative_groups,
                 "extra_draws": self.extra_draws, **self.losses,
                 **{f"seconds_{phase}": value for phase, value in self.phases.items()},

@@ -12,6 +12,7 @@ same files, dropping the lines of steps after the checkpoint it resumed from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from pipeline.config import TrainConfig
 from pipeline.events import decode_samples
 from pipeline.fleet import states
 from pipeline.metrics import StepRecord
+from pipeline.records import CarriedRow
 
 logger = logging.getLogger("dask_rl")
 
@@ -92,7 +94,9 @@ class RunOutputs:
         """Write a checkpoint of the run after `steps_done` steps (see pipeline/checkpoint.py)."""
         index, position = batches.resume_point()
         state = {"step": steps_done, "policy_version": fleet.version, "next_batch": index,
-                 "prompt_position": position}
+                 "prompt_position": position,
+                 # Partial rollouts: the rows the next batch continues (token ids and logprobs).
+                 "carried_rows": [dataclasses.asdict(row) for row in batches.carried_rows()]}
         staging = checkpoint.staging_dir(self.checkpoints, steps_done)
         states.export_states(fleet, self.roles, staging)
         self.last_checkpoint = checkpoint.commit(staging, {**state, "algorithm": self.train_config.algorithm,
@@ -124,6 +128,7 @@ class RunOutputs:
                               self.train_config.published_versions)
         checkpoint.restore_rng(path)
         batches.resume_from(state["next_batch"], state["prompt_position"])
+        batches.restore_carried(tuple(CarriedRow(**row) for row in state.get("carried_rows", ())))
         for name in ("metrics.jsonl", "samples.jsonl"):
             _drop_from(self.dir / name, state["step"])
         logger.warning("dask-rl: resumed from %s (step %d, policy version %d)", path, state["step"],

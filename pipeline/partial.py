@@ -1,5 +1,7 @@
 """Partial rollouts (train.partial_rollouts): a step trains on the groups a rollout finished,
-and the unfinished ones continue in the next step's request.
+and the unfinished ones continue in the next step's request. A request holds twice the groups
+a step needs (new_groups): it ends once a step's worth are complete, and the rest, started or
+still waiting, is carried.
 
 A GRPO group is trained whole, so a group with one unfinished sample waits whole: its
 finished samples are carried too (they are not generated again). Each carried row keeps the
@@ -37,6 +39,14 @@ def carried_part(rollout: Rollout) -> tuple[CarriedRow, ...]:
                                group_id=int(rollout.group_ids[row]), born=None if born < 0 else born,
                                ended=not bool(rollout.unfinished[row])))
     return tuple(rows)
+
+
+def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...]) -> int:
+    """Groups a batch draws: a request holds twice the groups its step trains on (the carried
+    ones and new ones), so that its slots are full until prompts_per_step groups complete. A
+    step trains on at least prompts_per_step groups and carries the rest, so the draws match
+    what is trained."""
+    return 2 * prompts_per_step - len({row.group_id for row in carried})
 
 
 def finish_born_before(version: int, max_staleness: int) -> int:

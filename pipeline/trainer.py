@@ -72,6 +72,10 @@ class HybridTrainer:
                  **train: Any):
         self.train_config = tc = make_train_config({"algorithm": algorithm, **train})
         uses_vllm = config.role("rollout").strategy == "vllm"
+        if tc.partial_rollouts and config.role("rollout").strategy != "cuda_graph":
+            raise ValueError(f"train.partial_rollouts: the {config.role('rollout').strategy} rollout engine "
+                             f"generates every row to its end. Fix: set rollout.strategy: cuda_graph in the resource "
+                             f"file (it runs eagerly on a CPU), or turn partial_rollouts off.")
         if uses_vllm and cluster is None and scheduler_address is None:
             # The local workers run this Python: without vllm they would start, load every other
             # role's model and only then fail in the rollout worker. Fail first, with the fix.
@@ -209,10 +213,14 @@ class HybridTrainer:
         # 4. Policy (and critic) update, one task per rank; the actor publishes new weights.
         with timer("update"):
             losses = self.update(experience)
+        # Versions between each row's first token and the policy just trained on it.
+        ages = (self.version - 1 - rollout_data.born).tolist() or [0]
         record = StepRecord(step=self.first_step + len(self.history), policy_version=self.version,
                             reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
-                            staleness=float(self.version - 1 - batch.version), losses=losses, phases=timer.seconds,
+                            staleness=sum(ages) / len(ages), staleness_max=max(ages),
+                            carried_rows=len(self.batches.carried_rows()) if tc.partial_rollouts else 0,
+                            losses=losses, phases=timer.seconds,
                             reward_std=stats["reward_std"], clipped_fraction=stats["clipped_fraction"],
                             dropped_samples=dropped + stats["dropped_samples"],
                             samples=self.outputs.samples(rollout_data, scores, self.prompts.row),

@@ -18,6 +18,7 @@ step needs, the rows carried from the request before first. Their tokens so far 
 behind their prompts and they continue from there. At a sync point where `complete_groups`
 groups have every sample finished (and every carried row that must end this time has), the
 request ends: the slots never decode a tail, and what is unfinished goes to the next request.
+A group with a row that could not be carried again (max_staleness) must complete first.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class SlotRun:
         self.prior = [0] * count                              # tokens each sequence came with
         self.started = torch.zeros(count, dtype=torch.bool)   # dequeued here, or ended before
         self.must_end = torch.zeros(count, dtype=torch.bool)  # carried rows this request must finish
+        # A group is trained whole: one row too old to be carried again holds its whole group here.
+        too_old = {row.group_id for row in carried
+                   if row.born is not None and row.born < self.request.finish_born_before}
         for i, row in enumerate(carried):
             self.prior[i] = k = len(row.response_ids)
             if k:
@@ -93,8 +97,7 @@ class SlotRun:
                 self.logprobs[i, :k] = torch.tensor(row.logprobs, device=self.device)
                 self.lengths[i] = k
             self.started[i] = row.ended
-            self.must_end[i] = (not row.ended and row.born is not None
-                                and row.born < self.request.finish_born_before)
+            self.must_end[i] = not row.ended and row.group_id in too_old
         self.queue = deque(i for i in range(count) if not self.started[i])
         self.new_tokens = -sum(self.prior)   # the request's own tokens, counted at the end
         if groups is not None:

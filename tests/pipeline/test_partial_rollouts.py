@@ -4,6 +4,9 @@ step trains on and what it carries (pipeline/partial.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -12,7 +15,9 @@ from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
 from pipeline.partial import carried_part, finish_born_before, shard_carried, trained_part
 from pipeline.records import GenerationRequest, Rollout
+from pipeline.rewards import digit_fraction
 from pipeline.roles.forward import response_logprobs
+from pipeline.trainer import HybridTrainer
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +140,52 @@ def test_engines_that_run_every_row_to_its_end_refuse_a_partial_request(model_an
     with pytest.raises(ValueError, match="train.partial_rollouts: the hf engine .* Fix: set rollout.strategy: "
                                          "cuda_graph"):
         engine.generate(request, policy_version=0)
+
+
+# End to end on the shared cluster's workers. Stop strings of four common characters end a
+# response at about one token in ten, so lengths spread up to max_new_tokens and the groups of
+# a shard complete at different times.
+PARTIAL = dict(algorithm="grpo", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16, kl_coef=0.0,
+               actor_lr=1e-3, micro_batch_size=8, show_progress=False, log_samples=0, partial_rollouts=True,
+               max_staleness=1, stop=["a", "e", "1", "3"])
+
+
+def _cuda_graph(config):
+    from resources.validate import with_role
+
+    return with_role(config, dataclasses.replace(config.role("rollout"), strategy="cuda_graph"))
+
+
+def _figures(record):
+    return (record.step, record.policy_version, record.reward_mean, record.tokens, record.staleness,
+            record.carried_rows, record.losses)
+
+
+def test_partial_rollouts_carry_rows_within_the_staleness_bound_and_resume_exactly(
+        shared_cluster, shared_config, tiny_model, prompts, tmp_path):
+    config = _cuda_graph(shared_config)
+    common = dict(prompts=prompts, cluster=shared_cluster, **PARTIAL)
+    with HybridTrainer(tiny_model, digit_fraction, config, output_dir=str(tmp_path / "a"), steps=4,
+                       checkpoint={"every_n_steps": 2, "keep_last": 2}, **common) as straight_run:
+        straight = straight_run.train()
+    assert [r.policy_version for r in straight] == [1, 2, 3, 4]
+    assert all(r.staleness_max <= 1 for r in straight)                  # max_staleness
+    # Rows were carried, and trained a version later; batches are not generated ahead.
+    assert any(r.carried_rows for r in straight) and any(r.staleness_max == 1 for r in straight)
+    assert all(r.staleness <= 1 for r in straight)
+    saved = json.loads((tmp_path / "a" / "checkpoints" / "step-000002" / "trainer.json").read_text())
+    assert len(saved["carried_rows"]) == straight[1].carried_rows > 0
+    # Resumed from step 2, the run continues the carried rows exactly as the straight run did.
+    with HybridTrainer(tiny_model, digit_fraction, config, output_dir=str(tmp_path / "b"), steps=4,
+                       resume=str(tmp_path / "a" / "checkpoints" / "step-000002"), **common) as resumed:
+        again = resumed.train()
+    assert [_figures(r) for r in again] == [_figures(r) for r in straight[2:]]
+
+
+def test_partial_rollouts_are_refused_with_an_engine_that_cannot_cut_a_request(shared_config, tiny_model, prompts):
+    with pytest.raises(ValueError, match="train.partial_rollouts: the hf rollout engine .* Fix: set rollout.strategy: "
+                                         "cuda_graph"):
+        HybridTrainer(tiny_model, digit_fraction, shared_config, prompts=prompts, **PARTIAL)
+    with pytest.raises(ValueError, match=r"train.partial_rollouts: True is not allowed. Fix: set max_staleness: 1"):
+        HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts,
+                      **{**PARTIAL, "max_staleness": 0})
