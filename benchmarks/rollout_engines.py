@@ -15,6 +15,13 @@ engine on responses that end with that probability at every token (geometric len
 steps, mean length, useful tokens/s, and the share of decode slots that held a live row:
 
     python benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 --long-tail 0.004 0.0075 --skip-generate
+
+With `--partial N` the same lengths run as train.partial_rollouts runs them: groups of
+--samples-per-prompt, each request holding the rows the one before carried plus new groups,
+ending once batch / samples groups are complete; N requests are timed after two that fill the
+carry, and useful tokens/s counts what each request generated (carried rows' tokens once):
+
+    python benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 --long-tail 0.004 0.0075 --partial 8
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from shapes import end_with_probability, mean_geometric_length, save_qwen2_05b  
 
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm  # noqa: E402
+from pipeline.partial import carried_part, finish_born_before, new_groups  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
 from pipeline.roles.forward import response_logprobs  # noqa: E402
 
@@ -122,6 +130,61 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
     return row
 
 
+def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[float], samples: int,
+                  requests: int, fill: int = 2) -> list:
+    """Useful tokens/s of the cuda_graph engine over `requests` consecutive partial
+    rollouts (after `fill` that build the carry), at full length and at each end probability."""
+    device = next(model.parameters()).device
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=str(device), max_batch_size=batch)
+    end = torch.zeros((), device=device)   # hooked once, before anything compiles (see bench_long_tail)
+    hook = end_with_probability(model, 1, end)
+    groups, rows = batch // samples, []
+    try:
+        for probability in [0.0, *probabilities]:
+            end.fill_(probability)
+            carried, drawn, runs = (), 0, []
+            for version in range(fill + requests):
+                count = new_groups(groups, carried)
+                prompts = request(count, prompt, new, seed=version).prompt_ids
+                req = GenerationRequest(prompts, list(range(drawn, drawn + count)), samples, new, 1.0, version,
+                                        carried=carried, complete_groups=groups,
+                                        finish_born_before=finish_born_before(version, 1))
+                drawn += count
+                _sync(device)
+                start = time.perf_counter()
+                rollout = engine.generate(req, version)
+                _sync(device)
+                carried = carried_part(rollout)
+                if version >= fill:
+                    runs.append((time.perf_counter() - start, dict(engine.last_stats), len(rollout) - len(carried)))
+            seconds = sum(run[0] for run in runs)
+            row = {"end_probability": probability, "batch": batch, "samples_per_prompt": samples,
+                   "max_new_tokens": new, "requests": requests, "seconds": seconds / requests,
+                   "useful_tokens_per_second": sum(run[1]["tokens"] for run in runs) / seconds,
+                   "slot_use": statistics.mean(run[1]["slot_use"] for run in runs),
+                   "trained_rows": statistics.mean(run[2] for run in runs),
+                   "carried_rows": statistics.mean(run[1]["carried_out"] for run in runs),
+                   "decode_steps": statistics.mean(run[1]["decode_steps"] for run in runs)}
+            rows.append(row)
+            print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}), end probability "
+                  f"{probability:<6}: {row['seconds']:5.2f} s a request, {row['decode_steps']:6.0f} decode steps, "
+                  f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
+                  f"{row['trained_rows']:.0f} rows trained and {row['carried_rows']:.0f} carried a request",
+                  flush=True)
+    finally:
+        hook.remove()
+    full = rows[0]["useful_tokens_per_second"]
+    for row in rows[1:]:
+        print(f"  partial, end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x "
+              f"below the full-length rate", flush=True)
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:
     model.set_attn_implementation("sdpa")   # transformers' own attention, as `generate` users get it
     ids = torch.tensor(request(batch, prompt, new).prompt_ids, device="cuda")
@@ -159,11 +222,21 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-generate", action="store_true", help="time the cuda_graph engine only")
     parser.add_argument("--long-tail", type=float, nargs="*", default=[],
                         help="end probabilities per token for the long-tail runs (none: skip them)")
+    parser.add_argument("--partial", type=int, default=0, metavar="N",
+                        help="time the long-tail lengths as N consecutive partial rollouts")
+    parser.add_argument("--samples-per-prompt", type=int, default=8, help="group size of the partial rollouts")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     args = parser.parse_args(argv)
     model = load_causal_lm(save_qwen2_05b(args.model_dir), device="cuda", dtype=torch.bfloat16).eval()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.long_tail and args.partial:
+        rows = [row for batch in args.batches
+                for row in bench_partial(model, batch, args.prompt, args.new_tokens, args.long_tail,
+                                         args.samples_per_prompt, args.partial)]
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     if args.long_tail:
         rows = [row for batch in args.batches
                 for row in bench_long_tail(model, batch, args.prompt, args.new_tokens, args.long_tail, args.repeats)]
