@@ -154,7 +154,7 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
                 start = time.perf_counter()
                 rollout = engine.generate(req, version)
                 _sync(device)
-                carried = carried_part(rollout)
+                carried = carried_part(rollout, groups, req.finish_born_before)
                 if version >= fill:
                     runs.append((time.perf_counter() - start, dict(engine.last_stats), len(rollout) - len(carried)))
             seconds = sum(run[0] for run in runs)

@@ -132,8 +132,9 @@ class InFlight:
             shard_tag = f"{tag}-{shard}"
             generated = fleet.submit("rollout", rollout.generate, request, weights, tag=shard_tag)
             if carried is not None:
-                self._carry.append(fleet.submit("rollout", partial.carried_part, generated, tag=shard_tag))
-                generated = fleet.submit("rollout", partial.trained_part, generated, tag=shard_tag)
+                split = (generated, request.complete_groups, request.finish_born_before)
+                self._carry.append(fleet.submit("rollout", partial.carried_part, *split, tag=shard_tag))
+                generated = fleet.submit("rollout", partial.trained_part, *split, tag=shard_tag)
             groups = list(dict.fromkeys([row.group_id for row in request.carried] + request.group_ids))
             batch.rollouts.append(generated)
             batch.scores.append(fleet.submit("reward", reward.score, generated,

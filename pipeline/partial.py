@@ -5,8 +5,8 @@ still waiting, is carried.
 
 A GRPO group is trained whole, so a group with one unfinished sample waits whole: its
 finished samples are carried too (they are not generated again). Each carried row keeps the
-version of its first token; `finish_born_before` makes the engine end, in this request, every
-row that would be older than max_staleness when trained if it were carried once more.
+version of its first token; `finish_born_before` makes the engine complete, and the step train
+on, every group with a row that would be older than max_staleness if it were carried again.
 """
 
 from __future__ import annotations
@@ -16,21 +16,30 @@ import torch
 from pipeline.records import CarriedRow, Rollout
 
 
-def open_groups(rollout: Rollout) -> torch.Tensor:
-    """(B,) bool: the rows whose group has an unfinished row."""
-    unfinished_groups = rollout.group_ids[rollout.unfinished].unique()
-    return torch.isin(rollout.group_ids, unfinished_groups)
+def trained_groups(rollout: Rollout, needed: int, floor: int) -> torch.Tensor:
+    """The groups a step trains on: of those every sample finished, first each with a row
+    older than `floor` allows to carry again (finish_born_before), then the oldest others
+    (the carried ones come first in a request), `needed` in all unless more must go now."""
+    order = list(dict.fromkeys(rollout.group_ids.tolist()))
+    open_ = set(rollout.group_ids[rollout.unfinished].tolist())
+    old = set(rollout.group_ids[(rollout.born >= 0) & (rollout.born < floor)].tolist())
+    complete = [g for g in order if g not in open_]
+    must = [g for g in complete if g in old]
+    others = [g for g in complete if g not in old]
+    return torch.tensor(must + others[:max(0, needed - len(must))], dtype=torch.long)
 
 
-def trained_part(rollout: Rollout) -> Rollout:
-    """Task: the rows of the groups that every sample finished: what this step trains on."""
-    return rollout.select((~open_groups(rollout)).nonzero().flatten())
+def trained_part(rollout: Rollout, needed: int, floor: int) -> Rollout:
+    """Task: the rows of the groups this step trains on (trained_groups)."""
+    return rollout.select(torch.isin(rollout.group_ids, trained_groups(rollout, needed, floor)).nonzero().flatten())
 
 
-def carried_part(rollout: Rollout) -> tuple[CarriedRow, ...]:
-    """Task: the rows of the other groups, as the next request continues them."""
+def carried_part(rollout: Rollout, needed: int, floor: int) -> tuple[CarriedRow, ...]:
+    """Task: the rows of the other groups, as the next request continues them (a complete
+    group left for the next step waits there, its rows ended)."""
+    carried = ~torch.isin(rollout.group_ids, trained_groups(rollout, needed, floor))
     rows = []
-    for row in open_groups(rollout).nonzero().flatten().tolist():
+    for row in carried.nonzero().flatten().tolist():
         prompt, response = rollout.token_ids(row)
         mask = rollout.response_mask[row].bool()
         born = int(rollout.born[row])
@@ -44,15 +53,16 @@ def carried_part(rollout: Rollout) -> tuple[CarriedRow, ...]:
 def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...]) -> int:
     """Groups a batch draws: a request holds twice the groups its step trains on (the carried
     ones and new ones), so that its slots are full until prompts_per_step groups complete. A
-    step trains on at least prompts_per_step groups and carries the rest, so the draws match
-    what is trained."""
+    step trains on prompts_per_step groups and carries the rest, so the draws match what is
+    trained."""
     return 2 * prompts_per_step - len({row.group_id for row in carried})
 
 
 def finish_born_before(version: int, max_staleness: int) -> int:
     """A request generated with `version` is trained on by the update from `version` (the
     batches are not generated ahead); a row it carries is trained on one version later at
-    the earliest. Rows whose first token is older than that allows must end now."""
+    the earliest. Groups with a row whose first token is older than that allows must
+    complete, and be trained on, now."""
     return version + 1 - max_staleness
 
 

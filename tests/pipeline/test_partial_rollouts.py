@@ -67,9 +67,11 @@ def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_re
                                      1.0) * rollout.response_mask
         torch.testing.assert_close(rollout.behavior_logprobs, expected, atol=2e-5, rtol=0)
 
-        trained, carried = trained_part(rollout), carried_part(rollout)
-        assert set(trained.group_ids.tolist()) == complete and not trained.unfinished.any()
-        assert len(trained) + len(carried) == 64 and {r.group_id for r in carried}.isdisjoint(complete)
+        # The step trains on the first 4 complete groups; later complete ones wait, ended.
+        trained, carried = trained_part(rollout, 4, 0), carried_part(rollout, 4, 0)
+        first_complete = [g for g in dict.fromkeys(rollout.group_ids.tolist()) if g in complete][:4]
+        assert list(dict.fromkeys(trained.group_ids.tolist())) == first_complete and len(trained) == 16
+        assert len(trained) + len(carried) == 64 and {r.group_id for r in carried}.isdisjoint(first_complete)
         assert sum(r.ended for r in carried) == int((~unfinished).sum()) - len(trained)
 
         # The next request, a version later: 2 new groups behind the carried ones. Rows that
@@ -91,6 +93,11 @@ def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_re
         expected = response_logprobs(model, continued.input_ids, continued.attention_mask,
                                      continued.prompt_length, 1.0) * continued.response_mask
         torch.testing.assert_close(continued.behavior_logprobs, expected, atol=2e-5, rtol=0)
+        # Every group with a token of v0 is trained on now, however many that is: carried
+        # again it would be 2 versions old.
+        old_groups = {row.group_id for row in carried if row.born == 0}
+        assert old_groups and old_groups <= set(trained_part(continued, 2, 1).group_ids.tolist())
+        assert all(row.born != 0 for row in carried_part(continued, 2, 1))
         # Each row ends at its first EOS or at max_new_tokens, never before, across the two requests.
         for row in (~continued.unfinished).nonzero().flatten().tolist():
             ids = continued.token_ids(row)[1]
@@ -119,13 +126,20 @@ def _hand_rollout() -> Rollout:
 
 def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
     rollout = _hand_rollout()
-    assert trained_part(rollout).group_ids.tolist() == [7, 7]
-    carried = carried_part(rollout)
+    # needed 1, rows born before v4 may not be carried again: group 7 is the one complete group.
+    assert trained_part(rollout, 1, 4).group_ids.tolist() == [7, 7]
+    carried = carried_part(rollout, 1, 4)
     assert [(r.prompt_ids, r.response_ids, r.group_id, r.born, r.ended) for r in carried] == [
         ([6, 6], [14, 15, 16], 8, 3, True), ([6, 6], [17, 18], 8, 3, False),
         ([7], [1], 9, 4, True), ([7], [], 9, None, False)]
     assert [r.logprobs for r in carried] == [pytest.approx([-0.7, -0.8, -0.9]), pytest.approx([-1.0, -1.1]),
                                              pytest.approx([-1.3]), []]
+    # None needed: the complete group waits, its rows ended...
+    assert len(trained_part(rollout, 0, 4)) == 0
+    assert [(r.response_ids, r.group_id, r.ended) for r in carried_part(rollout, 0, 4)[:2]] == [
+        ([11, 1], 7, True), ([12, 13, 1], 7, True)]
+    # ...unless its rows (born at v4) may not be carried again (floor 5): it is trained on now.
+    assert trained_part(rollout, 0, 5).group_ids.tolist() == [7, 7]
     # Two shards: groups whole, alternating, oldest first.
     assert [[r.group_id for r in shard] for shard in shard_carried(carried, 2)] == [[8, 8], [9, 9]]
     # Trained by the update from v5 at the earliest if carried once more: with max_staleness 1
@@ -173,6 +187,8 @@ def test_partial_rollouts_carry_rows_within_the_staleness_bound_and_resume_exact
     # Rows were carried, and trained a version later; batches are not generated ahead.
     assert any(r.carried_rows for r in straight) and any(r.staleness_max == 1 for r in straight)
     assert all(r.staleness <= 1 for r in straight)
+    # Each step trains on prompts_per_step groups of 4 (here no group had to go early).
+    assert [round(r.tokens / r.response_length) for r in straight] == [16] * 4
     saved = json.loads((tmp_path / "a" / "checkpoints" / "step-000002" / "trainer.json").read_text())
     assert len(saved["carried_rows"]) == straight[1].carried_rows > 0
     # Resumed from step 2, the run continues the carried rows exactly as the straight run did.
