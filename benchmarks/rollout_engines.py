@@ -98,11 +98,16 @@ def bench_long_tail(model, batch: int, prompt: int, new: int, probabilities: lis
             rows.append(_long_tail_row(engine, batch, prompt, new, probability, repeats))
     finally:
         hook.remove()
+    _below_full_length(rows, "")
+    return rows
+
+
+def _below_full_length(rows: list[dict], what: str) -> None:
+    """Each long-tail row's useful tokens/s against the first row's (full length)."""
     full = rows[0]["useful_tokens_per_second"]
     for row in rows[1:]:
-        print(f"  end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x below the "
-              f"full-length rate", flush=True)
-    return rows
+        print(f"  {what}end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x "
+              f"below the full-length rate", flush=True)
 
 
 def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float, repeats: int) -> dict:
@@ -173,10 +178,7 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
                   flush=True)
     finally:
         hook.remove()
-    full = rows[0]["useful_tokens_per_second"]
-    for row in rows[1:]:
-        print(f"  partial, end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x "
-              f"below the full-length rate", flush=True)
+    _below_full_length(rows, "partial, ")
     return rows
 
 

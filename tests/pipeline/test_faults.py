@@ -73,8 +73,10 @@ def _kill_when_running(cluster, role: str, task: str, pid: int) -> threading.Thr
                       settle=0.05)  # inside the task, not at its start
 
 
-def _train(cluster, tiny_model, prompts, steps: int, fault=None, strategy: str = "ddp", **options):
-    layout = {**LAYOUT, "actor": {**LAYOUT["actor"], "strategy": strategy}}
+def _train(cluster, tiny_model, prompts, steps: int, fault=None, strategy: str = "ddp", engine: str = "hf",
+           **options):
+    layout = {**LAYOUT, "actor": {**LAYOUT["actor"], "strategy": strategy},
+              "rollout": {**LAYOUT["rollout"], "strategy": engine}}
     trainer = HybridTrainer(tiny_model, digit_fraction, load_resource_config(layout), prompts=prompts,
                             cluster=cluster, steps=steps, **{**PPO, **options})
     try:
@@ -259,6 +261,21 @@ def test_a_worker_killed_at_a_random_moment_costs_no_step(fault_cluster, tiny_mo
     assert pid not in _pids(fault_cluster, role), f"seed {seed}: the worker was not killed"
     measured(f"fault drill: {role} worker killed {delay:.1f}s into a 10-step PPO run (seed {seed}): "
              f"10 consecutive versions in {seconds:.1f}s")
+
+
+@pytest.mark.slow  # a worker restart on its own cluster
+def test_a_rollout_worker_killed_while_partial_rollouts_carry_rows_costs_no_step(fault_cluster, tiny_model, prompts):
+    """The killed worker held a step's carried rows, not yet fetched: Dask computes them again
+    (the same rollout, from the same request and weights), and the run goes on."""
+    killed = _pids(fault_cluster, "rollout")[0]
+    partial = dict(algorithm="grpo", samples_per_prompt=4, kl_coef=0.0, max_new_tokens=16, partial_rollouts=True,
+                   max_staleness=1, stop=["a", "e", "1", "3"])
+    records, final, _ = _train(fault_cluster, tiny_model, prompts, steps=6, engine="cuda_graph", **partial,
+                               fault=lambda t: _kill_during_generation(fault_cluster, killed, after_batch=1))
+    assert killed not in _pids(fault_cluster, "rollout")
+    assert [r.policy_version for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r.staleness_max <= 1 for r in records) and any(r.carried_rows for r in records)
+    assert all(torch.isfinite(t).all() for t in final.values())
 
 
 def oom_on_rank_one(recipe, limit: int):
