@@ -56,7 +56,10 @@ class PolicyUpdate:
                 if redone_loss or not lost:
                     raise
                 redone_loss = True
-                logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost), error)
+                # The text, not the exception: a handler that keeps its records (a test's log
+                # capture) would keep the traceback's frames, and with them this step's futures.
+                logger.warning("dask-rl: %s lost a worker during the update (%s); redoing it", ", ".join(lost),
+                               str(error))
                 for role in lost:
                     self.fleet.free_survivors(role)
                 for role in forming:  # not among _lost_roles(): wait for its replacement here

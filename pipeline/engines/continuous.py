@@ -84,20 +84,23 @@ class SlotRun:
         already (an unfinished sibling held its group back) only waits for its group. The
         host keeps which sequences have started and which group each belongs to."""
         count = len(self.prompts)
-        self.prior = [0] * count                              # tokens each sequence came with
-        self.started = torch.zeros(count, dtype=torch.bool)   # dequeued here, or ended before
-        self.must_end = torch.zeros(count, dtype=torch.bool)  # carried rows this request must finish
+        self.prior = [len(row.response_ids) for row in carried] + [0] * (count - len(carried))  # tokens it came with
+        self.prefixes = [row.prompt_ids + row.response_ids for row in carried] + self.prompts[len(carried):]
+        self.started = torch.tensor([row.ended for row in carried] + [False] * (count - len(carried)))
         # A group is trained whole: one row too old to be carried again holds its whole group here.
         too_old = {row.group_id for row in carried
                    if row.born is not None and row.born < self.request.finish_born_before}
-        for i, row in enumerate(carried):
-            self.prior[i] = k = len(row.response_ids)
-            if k:
-                self.tokens[i, :k] = torch.tensor(row.response_ids, device=self.device)
-                self.logprobs[i, :k] = torch.tensor(row.logprobs, device=self.device)
-                self.lengths[i] = k
-            self.started[i] = row.ended
-            self.must_end[i] = not row.ended and row.group_id in too_old
+        self.must_end = torch.tensor([not row.ended and row.group_id in too_old for row in carried]
+                                     + [False] * (count - len(carried)))   # rows this request must finish
+        if carried:   # their tokens and logprobs so far, in one copy each
+            tokens = torch.full((len(carried), self.max_new), self.engine.pad_id, dtype=torch.long)
+            logprobs = torch.zeros((len(carried), self.max_new), dtype=torch.float32)
+            for i, row in enumerate(carried):
+                tokens[i, :len(row.response_ids)] = torch.tensor(row.response_ids, dtype=torch.long)
+                logprobs[i, :len(row.logprobs)] = torch.tensor(row.logprobs, dtype=torch.float32)
+            self.tokens[:len(carried)] = tokens.to(self.device)
+            self.logprobs[:len(carried)] = logprobs.to(self.device)
+            self.lengths[:len(carried)] = torch.tensor(self.prior[:len(carried)], device=self.device)
         self.queue = deque(i for i in range(count) if not self.started[i])
         self.new_tokens = -sum(self.prior)   # the request's own tokens, counted at the end
         if groups is not None:
@@ -216,8 +219,7 @@ class SlotRun:
         self.started[waiting] = True
         rows = torch.tensor(free[:count], device=self.device)
         prior = torch.tensor([self.prior[i] for i in waiting], device=self.device)
-        prefixes = [self.prompts[i] + self.tokens[i, :self.prior[i]].tolist() if self.prior[i] else self.prompts[i]
-                    for i in waiting]
+        prefixes = [self.prefixes[i] for i in waiting]
         step = self.engine.prompt_bucket
         width = min(self.length, max(self.width, -(-max(map(len, prefixes)) // step) * step))
         ids, prompt_mask = left_pad(prefixes, self.engine.pad_id, width=width)

@@ -10,6 +10,8 @@ from pipeline import weights
 from pipeline.records import GenerationRequest, Rollout
 from pipeline.roles.host import resolve_device, role_state
 
+FETCH_CHECK_SECONDS = 5.0   # how often a snapshot fetch checks that its publisher is still there
+
 
 class RolloutRole:
     """Lives on a rollout worker: an engine plus the policy version it currently holds."""
@@ -61,7 +63,16 @@ def _fetch_through_dask(handle: weights.WeightHandle) -> bytes:
     with worker_client() as client:  # secedes: this thread waits without holding a slot
         future = client.submit(weights.fetch_snapshot, handle, resources={"actor": 1}, workers=[handle.address],
                                key=f"actor-fetch-snapshot-v{handle.version}-{uuid.uuid4().hex[:8]}", pure=False)
-        return future.result()
+        # Only that worker holds the snapshot: once it is gone the task can never run, and a
+        # plain wait would hold this task (and its worker's engine) forever.
+        while True:
+            try:
+                return future.result(timeout=FETCH_CHECK_SECONDS)
+            except TimeoutError:
+                if handle.address not in client.scheduler_info(n_workers=-1)["workers"]:
+                    future.cancel()
+                    raise RuntimeError(f"weights v{handle.version} were published by actor worker {handle.address}, "
+                                       f"which has left the cluster; a newer version replaces them") from None
 
 
 def generate(request: GenerationRequest, handle: weights.WeightHandle | None,

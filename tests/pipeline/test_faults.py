@@ -176,6 +176,31 @@ def test_a_lost_result_that_may_run_elsewhere_is_computed_again(judges):
     assert time.monotonic() - start < 10
 
 
+def _fetch_from_a_gone_publisher() -> float:
+    """Task: a rollout worker's fetch of weights whose publishing worker is gone; the
+    seconds it took to give up."""
+    from pipeline.roles.rollout import _fetch_through_dask
+
+    gone = weights.WeightHandle(version=3, path="/nonexistent/v3.safetensors", host="elsewhere", nbytes=1,
+                                transport="dask", address="tcp://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="weights v3 were published by actor worker tcp://127.0.0.1:9, which has "
+                                           "left the cluster"):
+        _fetch_through_dask(gone)
+    return time.monotonic() - start
+
+
+def test_a_weight_fetch_from_a_publisher_that_left_fails_instead_of_waiting_forever(judges):
+    """Its task was pinned to that worker and could never run: the fetch (and the rollout
+    task around it, which holds the worker's engine) used to wait forever."""
+    import cloudpickle
+    import sys
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    seconds = submit(judges, "judge", _fetch_from_a_gone_publisher).result(timeout=60)
+    assert seconds < 15
+
+
 def _kill_during_generation(cluster, pid: int, after_batch: int = 0) -> threading.Thread:
     """Kill `pid` while a rollout of a batch after `after_batch` generates (keys read
     rollout-generate-<batch>-<shard>-...): one the policy of an earlier update generates."""
