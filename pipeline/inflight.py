@@ -108,15 +108,16 @@ class InFlight:
         return tc.filter_groups_max_draws
 
     def _add_shards(self, batch: InFlightBatch, weights, tag: str) -> None:
-        """Draw prompts_per_step prompts into `batch`, a shard per rollout worker."""
+        """Draw prompts_per_step prompts into `batch`, a shard per rollout worker (with partial
+        rollouts, as many as the step's requests need besides the carried rows)."""
         tc, fleet = self.train_config, self.fleet
-        carried = self.carried_rows() if tc.partial_rollouts else ()
+        carried_rows = self.carried_rows() if tc.partial_rollouts else ()
         self._carried = ()
-        prompts, draws = self.prompts.next_batch(partial.new_groups(tc.prompts_per_step, carried)
+        prompts, draws = self.prompts.next_batch(partial.new_groups(tc.prompts_per_step, carried_rows)
                                                  if tc.partial_rollouts else tc.prompts_per_step)
         n_shards = max(1, min(len(fleet.addresses("rollout")), len(prompts)))
         first = len(batch.rollouts)  # shards already in the batch: every shard gets its own seed
-        carried = partial.shard_carried(carried, n_shards) if tc.partial_rollouts else None
+        carried = partial.shard_carried(carried_rows, n_shards) if tc.partial_rollouts else None
         for shard in range(n_shards):
             request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
                                         samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,

@@ -218,7 +218,9 @@ LAST_STEP = (("step", "index of the last step"),
              ("reward_std", "spread (population std) of the last step's rewards"),
              ("kl_mean", "mean per-token KL to the reference model"),
              ("response_length", "mean generated tokens per sample"),
-             ("staleness", "policy-version lag of the samples the last step consumed"),
+             ("staleness", "mean policy-version lag of the samples the last step consumed"),
+             ("staleness_max", "policy-version lag of the oldest sample the last step consumed"),
+             ("carried_rows", "unfinished samples the last step's rollout carried to the next (partial rollouts)"),
              ("seconds", "wall seconds of the last step"),
              ("tokens_per_second", "generated tokens per wall second of the last step"))
 
