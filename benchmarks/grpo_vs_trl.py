@@ -5,7 +5,8 @@ one run on one GPU: steady step time, completion tokens/s, peak GPU memory of al
     python benchmarks/grpo_vs_trl.py --prompts-per-step 8            # 8 x 8 samples a step
     python benchmarks/grpo_vs_trl.py --prompts-per-step 32           # batch 256
     python benchmarks/grpo_vs_trl.py --prompts-per-step 32 --new-tokens 1024 --end-probability 0.005
-    python benchmarks/grpo_vs_trl.py --prompts-per-step 32 --new-tokens 1024 --end-probability 0.005 --partial-rollouts
+    python benchmarks/grpo_vs_trl.py --prompts-per-step 32 --new-tokens 1024 --end-probability 0.005 \
+        --partial-rollouts --max-staleness 2
 
 The last is the long-tail workload: on both sides the model ends a response with
 probability 0.005 at every token (its EOS logit replaced in a hook on the output embedding,
@@ -18,7 +19,7 @@ tokens/s as well as step time).
 The work: the Qwen2-0.5B shape with random bf16 weights (benchmarks/shapes.py), prompts of
 128 tokens, 8 samples per prompt, 256 new tokens (--new-tokens) at temperature 1, KL weight
 0, a Python reward function. dask-rl: every role on GPU 0 (reward on a CPU worker), the
-cuda_graph rollout engine, max_staleness 1, weight sync "auto" (CUDA IPC here),
+cuda_graph rollout engine, max_staleness 1 (--max-staleness), weight sync "auto" (CUDA IPC here),
 micro_batch_size from --micro-batches (default: auto, memory-sized).
 TRL: GRPOTrainer with its defaults (HF generate, gradient checkpointing on) and the same
 batch: micro-batches of 16, one optimizer step per generated batch.
@@ -130,7 +131,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         start, start_wall = time.perf_counter(), time.time()
         trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
                                 samples_per_prompt=SAMPLES, prompts_per_step=args.prompts_per_step,
-                                max_new_tokens=args.new_tokens, kl_coef=0.0, max_staleness=1, dtype="bfloat16",
+                                max_new_tokens=args.new_tokens, kl_coef=0.0, max_staleness=args.max_staleness,
+                                dtype="bfloat16",
                                 partial_rollouts=args.partial_rollouts,
                                 micro_batch_size=micro_batch, actor_lr=1e-6, temperature=1.0, show_progress=False,
                                 dashboard_address=":0", output_dir=f"{args.work_dir}/dask-rl-mb{micro_batch}")
@@ -296,6 +298,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens on both sides")
     parser.add_argument("--end-probability", type=float, default=0.0,
                         help="each token ends the response with this probability (0: full lengths)")
+    parser.add_argument("--max-staleness", type=int, default=1, help="dask-rl's train.max_staleness")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
     parser.add_argument("--logit-chunk", type=int, default=0,

@@ -136,7 +136,7 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
 
 
 def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[float], samples: int,
-                  requests: int, fill: int = 2) -> list:
+                  requests: int, max_staleness: int, fill: int = 2) -> list:
     """Useful tokens/s of the cuda_graph engine over `requests` consecutive partial
     rollouts (after `fill` that build the carry), at full length and at each end probability."""
     device = next(model.parameters()).device
@@ -153,7 +153,7 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
                 prompts = request(count, prompt, new, seed=version).prompt_ids
                 req = GenerationRequest(prompts, list(range(drawn, drawn + count)), samples, new, 1.0, version,
                                         carried=carried, complete_groups=groups,
-                                        finish_born_before=finish_born_before(version, 1))
+                                        finish_born_before=finish_born_before(version, max_staleness))
                 drawn += count
                 _sync(device)
                 start = time.perf_counter()
@@ -164,15 +164,17 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
                     runs.append((time.perf_counter() - start, dict(engine.last_stats), len(rollout) - len(carried)))
             seconds = sum(run[0] for run in runs)
             row = {"end_probability": probability, "batch": batch, "samples_per_prompt": samples,
-                   "max_new_tokens": new, "requests": requests, "seconds": seconds / requests,
+                   "max_new_tokens": new, "max_staleness": max_staleness, "requests": requests,
+                   "seconds": seconds / requests,
                    "useful_tokens_per_second": sum(run[1]["tokens"] for run in runs) / seconds,
                    "slot_use": statistics.mean(run[1]["slot_use"] for run in runs),
                    "trained_rows": statistics.mean(run[2] for run in runs),
                    "carried_rows": statistics.mean(run[1]["carried_out"] for run in runs),
                    "decode_steps": statistics.mean(run[1]["decode_steps"] for run in runs)}
             rows.append(row)
-            print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}), end probability "
-                  f"{probability:<6}: {row['seconds']:5.2f} s a request, {row['decode_steps']:6.0f} decode steps, "
+            print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}, max_staleness "
+                  f"{max_staleness}), end probability {probability:<6}: {row['seconds']:5.2f} s a request, "
+                  f"{row['decode_steps']:6.0f} decode steps, "
                   f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
                   f"{row['trained_rows']:.0f} rows trained and {row['carried_rows']:.0f} carried a request",
                   flush=True)
@@ -227,6 +229,8 @@ def main(argv=None) -> int:
     parser.add_argument("--partial", type=int, default=0, metavar="N",
                         help="time the long-tail lengths as N consecutive partial rollouts")
     parser.add_argument("--samples-per-prompt", type=int, default=8, help="group size of the partial rollouts")
+    parser.add_argument("--max-staleness", type=int, default=2,
+                        help="partial rollouts: versions a row may span (1: a carried row ends in the next request)")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     args = parser.parse_args(argv)
@@ -235,7 +239,7 @@ def main(argv=None) -> int:
     if args.long_tail and args.partial:
         rows = [row for batch in args.batches
                 for row in bench_partial(model, batch, args.prompt, args.new_tokens, args.long_tail,
-                                         args.samples_per_prompt, args.partial)]
+                                         args.samples_per_prompt, args.partial, args.max_staleness)]
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0

@@ -16,6 +16,15 @@ is one decode graph to compile.
 
     python benchmarks/slot_use.py --end-probability 0.004 --shrink-share 2 \
         --step-ms 256:4.21 128:2.915 64:2.355 32:2.23 16:2.168 8:2.123     # an H100, 12-06
+
+With --partial N it also runs N consecutive partial rollouts (train.partial_rollouts) of the
+same sequences as groups of --samples-per-prompt, at each --max-staleness, and prints their
+slot use, decode steps and tokens a request; with --step-ms, the decode seconds and useful
+tokens/s predicted on that GPU (decode steps only: re-prefilling the carried rows is not in
+the step table):
+
+    python benchmarks/slot_use.py --end-probability 0.004 --shrink-share 2 --partial 4 \
+        --step-ms 256:4.21 128:2.915 64:2.355 32:2.23 16:2.168 8:2.123
 """
 
 from __future__ import annotations
@@ -31,23 +40,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.shapes import decode_seconds, end_with_probability  # noqa: E402
 from pipeline.engines import continuous  # noqa: E402
-from pipeline.engines.cuda_graph import CudaGraphEngine, bucket_length  # noqa: E402
-from pipeline.engines.hf import repeat_prompts  # noqa: E402
+from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import create_tiny_model, load_causal_lm, load_tokenizer  # noqa: E402
+from pipeline.partial import carried_part, finish_born_before, new_groups  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
 
 
 @torch.no_grad()
-def measure(engine, request: GenerationRequest, slots: int) -> dict:
-    """One request through the slot loop, with a look at the device every EOS_CHECK_EVERY
-    steps as on a GPU (the engine looks every step on a CPU)."""
-    prompts, _ = repeat_prompts(request)
-    width = bucket_length(max(len(p) for p in prompts), engine.prompt_bucket)
-    torch.manual_seed(request.seed)
-    run = continuous.SlotRun(engine, prompts, width, request, slots)
-    run.check_every = continuous.EOS_CHECK_EVERY
-    run.run()
-    return {**run.stats, "mean_length": run.stats["tokens"] / len(prompts)}
+def measure(engine, request: GenerationRequest, version: int = 0):
+    """One request through the slot loop (the engine looks at the device every
+    EOS_CHECK_EVERY steps, as on a GPU) -> its rollout and its stats."""
+    rollout = engine.generate(request, version)
+    return rollout, {**engine.last_stats, "mean_length": engine.last_stats["tokens"] / len(rollout)}
+
+
+def measure_partial(engine, prompts: list[list[int]], samples: int, new: int, max_staleness: int,
+                    requests: int, fill: int = 2) -> dict:
+    """`requests` consecutive partial rollouts of len(prompts) groups a step (after `fill`
+    that build the carry), as train.partial_rollouts runs them -> mean stats a request."""
+    groups, carried, drawn, runs = len(prompts), (), 0, []
+    for version in range(fill + requests):
+        count = new_groups(groups, carried)
+        request = GenerationRequest([prompts[(drawn + i) % groups] for i in range(count)],
+                                    list(range(drawn, drawn + count)), samples, new, 1.0, seed=version,
+                                    carried=carried, complete_groups=groups,
+                                    finish_born_before=finish_born_before(version, max_staleness))
+        drawn += count
+        rollout, stats = measure(engine, request, version)
+        carried = carried_part(rollout, groups, request.finish_born_before)
+        if version >= fill:
+            runs.append(stats)
+    steps_at = {slots: sum(run["decode_steps_at"].get(slots, 0) for run in runs) / requests
+                for slots in {slots for run in runs for slots in run["decode_steps_at"]}}
+    return {"slot_use": sum(run["slot_use"] for run in runs) / requests,
+            "decode_steps": sum(run["decode_steps"] for run in runs) / requests,
+            "tokens": sum(run["tokens"] for run in runs) / requests, "decode_steps_at": steps_at,
+            "carried_out": sum(run["carried_out"] for run in runs) / requests}
 
 
 def step_time(text: str) -> tuple[int, float]:
@@ -64,13 +92,17 @@ def main(argv=None) -> None:
     parser.add_argument("--shrink-share", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--step-ms", type=step_time, nargs="*", default=[], metavar="SLOTS:MS",
                         help="a GPU's milliseconds a decode step at each slot count, e.g. 256:4.21 128:2.92")
+    parser.add_argument("--partial", type=int, default=0, metavar="N",
+                        help="also N consecutive partial rollouts of sequences / samples-per-prompt groups")
+    parser.add_argument("--samples-per-prompt", type=int, default=8)
+    parser.add_argument("--max-staleness", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     directory = create_tiny_model(Path(tempfile.mkdtemp(prefix="slot-use-")) / "tiny", seed=0)
     model, tokenizer = load_causal_lm(directory), load_tokenizer(directory)
     eos = tokenizer.eos_token_id
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu",
-                             max_batch_size=args.sequences)
+                             max_batch_size=args.sequences, check_every=continuous.EOS_CHECK_EVERY)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, len(tokenizer), (args.sequences, args.prompt), generator=generator).tolist()
     request = GenerationRequest(prompts, list(range(args.sequences)), 1, args.new_tokens, 1.0, seed=1)
@@ -79,7 +111,7 @@ def main(argv=None) -> None:
         try:
             for share in args.shrink_share:
                 continuous.SHRINK_SHARE = share
-                row = measure(engine, request, args.sequences)
+                _, row = measure(engine, request)
                 print(f"p {probability}, shrink at 1/{share} live: mean length {row['mean_length']:.1f}, "
                       f"{row['decode_steps']} decode steps, slot use {row['slot_use']:.2f}; decode steps at "
                       + ", ".join(f"{slots} slots: {steps}" for slots, steps in sorted(row["decode_steps_at"].items(),
@@ -89,6 +121,21 @@ def main(argv=None) -> None:
                     counts = len({max(slots, floor) for slots in row["decode_steps_at"]})
                     print(f"  tail floor {floor:2d} slots: {decode_seconds(row['decode_steps_at'], step_ms, floor):.3f} s "
                           f"decoding predicted, {counts} decode graphs", flush=True)
+            continuous.SHRINK_SHARE = 2
+            groups = args.sequences // args.samples_per_prompt
+            for staleness in args.max_staleness if args.partial else ():
+                row = measure_partial(engine, prompts[:groups], args.samples_per_prompt, args.new_tokens, staleness,
+                                      args.partial)
+                print(f"p {probability}, partial rollouts ({groups} groups of {args.samples_per_prompt} a step, "
+                      f"max_staleness {staleness}): {row['decode_steps']:.0f} decode steps and {row['tokens']:.0f} "
+                      f"tokens a request, slot use {row['slot_use']:.2f}, {row['carried_out']:.0f} rows carried",
+                      flush=True)
+                if step_ms:   # decode only: a carried row's prefill is not in the table
+                    seconds = decode_seconds(row["decode_steps_at"], step_ms)
+                    full = max(step_ms) * 1000 / step_ms[max(step_ms)]
+                    print(f"  {seconds:.3f} s decoding a request predicted: {row['tokens'] / seconds:,.0f} useful "
+                          f"tokens/s, {full / (row['tokens'] / seconds):.2f}x below the full-length rate "
+                          f"({full:,.0f})", flush=True)
         finally:
             hook.remove()
 

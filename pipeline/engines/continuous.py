@@ -53,6 +53,7 @@ class SlotRun:
     """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
 
     `engine` provides: model, device, pad_id, eos_id, decode (ids -> text), compiled,
+    check_every (decode steps between two looks at the device; None: the device's default),
     `_decode(token, position_ids, column, mask, cache, temperature, top_k, top_p, min_p)`
     (one decode step, maybe captured) and `_cache(slots, length)` (a SlotCache).
     """
@@ -74,7 +75,7 @@ class SlotRun:
         self.stop_ids = torch.tensor(stop_ids_of(request, engine.eos_id), dtype=torch.long, device=device)
         self.columns = torch.arange(self.length, device=device)
         self.column = 0            # the ring column the next decode step writes (a host int: no sync)
-        self.check_every = EOS_CHECK_EVERY if torch.device(device).type == "cuda" else 1
+        self.check_every = engine.check_every or (EOS_CHECK_EVERY if torch.device(device).type == "cuda" else 1)
         self.stats = {"slots": slots}
         self._carry_in(request.carried, groups)
         self._start(slots)

@@ -71,19 +71,23 @@ class CudaGraphEngine:
         prompt_bucket: prompts are left-padded to a multiple of this many tokens.
         compile: capture decode steps as CUDA graphs (default: on CUDA devices).
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
+        check_every: decode steps between two looks at the device (default: a GPU's
+            continuous.EOS_CHECK_EVERY, every step on a CPU, where looking costs nothing).
     Sampling filters (top-k / top-p / min-p) come with each request. `last_stats` holds the
     last request's decode steps (in all and at each slot count), tokens, slot use and
     milliseconds a decode step at each slot count.
     """
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
-                 prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None):
+                 prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None,
+                 check_every: int | None = None):
         self.model = model.eval()
         use_slot_attention(model)
         self.pad_id, self.eos_id, self.device, self.decode = pad_id, eos_id, device, decode
         self.max_batch_size = bucket_batch(max_batch_size)
         self.prompt_bucket = prompt_bucket
         self.compiled = torch.device(device).type == "cuda" if compile is None else compile
+        self.check_every = check_every   # None: every continuous.EOS_CHECK_EVERY steps on CUDA, every step on CPU
         self._caches: dict[tuple[int, int], SlotCache] = {}   # (slots, length) -> its cache
         self.batch = self.max_batch_size     # decode slots of the current request
         self._planned: int | None = None    # the last plan, so a change is reported once
