@@ -136,7 +136,7 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
 
 
 def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[float], samples: int,
-                  requests: int, max_staleness: int, fill: int = 2) -> list:
+                  requests: int, max_staleness: int, request_groups: int, fill: int = 2) -> list:
     """Useful tokens/s of the cuda_graph engine over `requests` consecutive partial
     rollouts (after `fill` that build the carry), at full length and at each end probability."""
     device = next(model.parameters()).device
@@ -149,7 +149,7 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
             end.fill_(probability)
             carried, drawn, runs = (), 0, []
             for version in range(fill + requests):
-                count = new_groups(groups, carried)
+                count = new_groups(groups, carried, request_groups)
                 prompts = request(count, prompt, new, seed=version).prompt_ids
                 req = GenerationRequest(prompts, list(range(drawn, drawn + count)), samples, new, 1.0, version,
                                         carried=carried, complete_groups=groups,
@@ -164,7 +164,8 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
                     runs.append((time.perf_counter() - start, dict(engine.last_stats), len(rollout) - len(carried)))
             seconds = sum(run[0] for run in runs)
             row = {"end_probability": probability, "batch": batch, "samples_per_prompt": samples,
-                   "max_new_tokens": new, "max_staleness": max_staleness, "requests": requests,
+                   "max_new_tokens": new, "max_staleness": max_staleness, "request_groups": request_groups,
+                   "requests": requests,
                    "seconds": seconds / requests,
                    "useful_tokens_per_second": sum(run[1]["tokens"] for run in runs) / seconds,
                    "slot_use": statistics.mean(run[1]["slot_use"] for run in runs),
@@ -229,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--partial", type=int, default=0, metavar="N",
                         help="time the long-tail lengths as N consecutive partial rollouts")
     parser.add_argument("--samples-per-prompt", type=int, default=8, help="group size of the partial rollouts")
+    parser.add_argument("--request-groups", type=int, default=2,
+                        help="partial rollouts: a request holds this many times a step's groups")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="partial rollouts: versions a row may span (1: a carried row ends in the next request)")
     parser.add_argument("--json", help="write the long-tail rows to this file")
@@ -239,7 +242,8 @@ def main(argv=None) -> int:
     if args.long_tail and args.partial:
         rows = [row for batch in args.batches
                 for row in bench_partial(model, batch, args.prompt, args.new_tokens, args.long_tail,
-                                         args.samples_per_prompt, args.partial, args.max_staleness)]
+                                         args.samples_per_prompt, args.partial, args.max_staleness,
+                                         args.request_groups)]
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0

@@ -55,12 +55,12 @@ def measure(engine, request: GenerationRequest, version: int = 0):
 
 
 def measure_partial(engine, prompts: list[list[int]], samples: int, new: int, max_staleness: int,
-                    requests: int, fill: int = 2) -> dict:
+                    requests: int, request_groups: int, fill: int) -> dict:
     """`requests` consecutive partial rollouts of len(prompts) groups a step (after `fill`
     that build the carry), as train.partial_rollouts runs them -> mean stats a request."""
     groups, carried, drawn, runs = len(prompts), (), 0, []
     for version in range(fill + requests):
-        count = new_groups(groups, carried)
+        count = new_groups(groups, carried, request_groups)
         request = GenerationRequest([prompts[(drawn + i) % groups] for i in range(count)],
                                     list(range(drawn, drawn + count)), samples, new, 1.0, seed=version,
                                     carried=carried, complete_groups=groups,
@@ -75,7 +75,8 @@ def measure_partial(engine, prompts: list[list[int]], samples: int, new: int, ma
     return {"slot_use": sum(run["slot_use"] for run in runs) / requests,
             "decode_steps": sum(run["decode_steps"] for run in runs) / requests,
             "tokens": sum(run["tokens"] for run in runs) / requests, "decode_steps_at": steps_at,
-            "carried_out": sum(run["carried_out"] for run in runs) / requests}
+            "carried_out": sum(run["carried_out"] for run in runs) / requests,
+            "tokens_each": [run["tokens"] for run in runs]}
 
 
 def step_time(text: str) -> tuple[int, float]:
@@ -96,6 +97,9 @@ def main(argv=None) -> None:
                         help="also N consecutive partial rollouts of sequences / samples-per-prompt groups")
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--fill", type=int, default=2, help="partial rollouts: requests run before the timed ones")
+    parser.add_argument("--request-groups", type=int, default=2,
+                        help="partial rollouts: a request holds this many times a step's groups")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     directory = create_tiny_model(Path(tempfile.mkdtemp(prefix="slot-use-")) / "tiny", seed=0)
@@ -125,10 +129,11 @@ def main(argv=None) -> None:
             groups = args.sequences // args.samples_per_prompt
             for staleness in args.max_staleness if args.partial else ():
                 row = measure_partial(engine, prompts[:groups], args.samples_per_prompt, args.new_tokens, staleness,
-                                      args.partial)
+                                      args.partial, args.request_groups, args.fill)
                 print(f"p {probability}, partial rollouts ({groups} groups of {args.samples_per_prompt} a step, "
-                      f"max_staleness {staleness}): {row['decode_steps']:.0f} decode steps and {row['tokens']:.0f} "
-                      f"tokens a request, slot use {row['slot_use']:.2f}, {row['carried_out']:.0f} rows carried",
+                      f"max_staleness {staleness}, requests of {args.request_groups}x): "
+                      f"{row['decode_steps']:.0f} decode steps and {row['tokens']:.0f} tokens a request "
+                      f"({row['tokens_each']}), slot use {row['slot_use']:.2f}, {row['carried_out']:.0f} rows carried",
                       flush=True)
                 if step_ms:   # decode only: a carried row's prefill is not in the table
                     seconds = decode_seconds(row["decode_steps_at"], step_ms)

@@ -167,6 +167,7 @@ class TrainConfig:
     # weights. Batches are then not generated ahead; max_staleness bounds the age of a row's
     # oldest token when it is trained on.
     partial_rollouts: bool = False
+    partial_request_groups: int = 2       # a request holds this many times prompts_per_step groups
     overlong_filter: bool = False         # DAPO: responses cut at max_new_tokens leave the loss
 
     def __post_init__(self):
@@ -269,6 +270,8 @@ class TrainConfig:
             "partial_rollouts": (not self.partial_rollouts or (self.max_staleness >= 1 and not self.filter_groups),
                                  "set max_staleness: 1 or more with it (the versions a carried row's tokens may "
                                  "lag), and leave filter_groups off"),
+            "partial_request_groups": (1 <= self.partial_request_groups <= 16,
+                                       "use 1 to 16 times prompts_per_step groups a request, e.g. 2"),
         }
 
     @property

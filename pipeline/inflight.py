@@ -113,8 +113,9 @@ class InFlight:
         tc, fleet = self.train_config, self.fleet
         carried_rows = self.carried_rows() if tc.partial_rollouts else ()
         self._carried = ()
-        prompts, draws = self.prompts.next_batch(partial.new_groups(tc.prompts_per_step, carried_rows)
-                                                 if tc.partial_rollouts else tc.prompts_per_step)
+        prompts, draws = self.prompts.next_batch(
+            partial.new_groups(tc.prompts_per_step, carried_rows, tc.partial_request_groups)
+            if tc.partial_rollouts else tc.prompts_per_step)
         n_shards = max(1, min(len(fleet.addresses("rollout")), len(prompts)))
         first = len(batch.rollouts)  # shards already in the batch: every shard gets its own seed
         carried = partial.shard_carried(carried_rows, n_shards) if tc.partial_rollouts else None

@@ -1,7 +1,7 @@
 """Partial rollouts (train.partial_rollouts): a step trains on the groups a rollout finished,
-and the unfinished ones continue in the next step's request. A request holds twice the groups
-a step needs (new_groups): it ends once a step's worth are complete, and the rest, started or
-still waiting, is carried.
+and the unfinished ones continue in the next step's request. A request holds several times
+the groups a step needs (new_groups): it ends once a step's worth are complete, and the rest,
+started or still waiting, is carried.
 
 A GRPO group is trained whole, so a group with one unfinished sample waits whole: its
 finished samples are carried too (they are not generated again). Each carried row keeps the
@@ -50,12 +50,12 @@ def carried_part(rollout: Rollout, needed: int, floor: int) -> tuple[CarriedRow,
     return tuple(rows)
 
 
-def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...]) -> int:
-    """Groups a batch draws: a request holds twice the groups its step trains on (the carried
-    ones and new ones), so that its slots are full until prompts_per_step groups complete. A
-    step trains on prompts_per_step groups and carries the rest, so the draws match what is
-    trained."""
-    return 2 * prompts_per_step - len({row.group_id for row in carried})
+def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...], request_groups: int = 2) -> int:
+    """Groups a batch draws: a request holds `request_groups` x prompts_per_step groups (the
+    carried ones and new ones, train.partial_request_groups), so that its slots stay full
+    while prompts_per_step groups complete. A step trains on prompts_per_step groups and
+    carries the rest, so the draws match what is trained."""
+    return max(prompts_per_step, request_groups * prompts_per_step - len({row.group_id for row in carried}))
 
 
 def finish_born_before(version: int, max_staleness: int) -> int:

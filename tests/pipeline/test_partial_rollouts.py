@@ -13,7 +13,7 @@ import torch
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
-from pipeline.partial import carried_part, finish_born_before, shard_carried, trained_part
+from pipeline.partial import carried_part, finish_born_before, new_groups, shard_carried, trained_part
 from pipeline.records import GenerationRequest, Rollout
 from pipeline.rewards import digit_fraction
 from pipeline.roles.forward import response_logprobs
@@ -140,6 +140,8 @@ def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
         ([11, 1], 7, True), ([12, 13, 1], 7, True)]
     # ...unless its rows (born at v4) may not be carried again (floor 5): it is trained on now.
     assert trained_part(rollout, 0, 5).group_ids.tolist() == [7, 7]
+    # A request of 2 (3) x 4 groups with the 2 carried groups draws 6 (10) new ones.
+    assert new_groups(4, carried) == 6 and new_groups(4, carried, request_groups=3) == 10
     # Two shards: groups whole, alternating, oldest first.
     assert [[r.group_id for r in shard] for shard in shard_carried(carried, 2)] == [[8, 8], [9, 9]]
     # Trained by the update from v5 at the earliest if carried once more: with max_staleness 1
@@ -205,3 +207,6 @@ def test_partial_rollouts_are_refused_with_an_engine_that_cannot_cut_a_request(s
     with pytest.raises(ValueError, match=r"train.partial_rollouts: True is not allowed. Fix: set max_staleness: 1"):
         HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts,
                       **{**PARTIAL, "max_staleness": 0})
+    with pytest.raises(ValueError, match=r"train.partial_request_groups: 0 is not allowed. Fix: use 1 to 16"):
+        HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts,
+                      **{**PARTIAL, "partial_request_groups": 0})
