@@ -133,7 +133,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                                 samples_per_prompt=SAMPLES, prompts_per_step=args.prompts_per_step,
                                 max_new_tokens=args.new_tokens, kl_coef=0.0, max_staleness=args.max_staleness,
                                 dtype="bfloat16",
-                                partial_rollouts=args.partial_rollouts,
+                                partial_rollouts=args.partial_rollouts, partial_request_groups=args.request_groups,
                                 micro_batch_size=micro_batch, actor_lr=1e-6, temperature=1.0, show_progress=False,
                                 dashboard_address=":0", output_dir=f"{args.work_dir}/dask-rl-mb{micro_batch}")
         started = time.perf_counter() - start
@@ -299,6 +299,7 @@ def main(argv=None) -> int:
     parser.add_argument("--end-probability", type=float, default=0.0,
                         help="each token ends the response with this probability (0: full lengths)")
     parser.add_argument("--max-staleness", type=int, default=1, help="dask-rl's train.max_staleness")
+    parser.add_argument("--request-groups", type=int, default=2, help="dask-rl's train.partial_request_groups")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
     parser.add_argument("--logit-chunk", type=int, default=0,
