@@ -19,6 +19,7 @@ from pipeline import events, monitor, weights
 from pipeline.config import make_train_config
 from pipeline.chat import prompt_stream
 from pipeline.engines import vllm as vllm_engine
+from pipeline.engines.hf import partial_refusal
 from pipeline.evaluation import Evaluation
 from pipeline.fleet import Fleet, ResourceChange, ResourceRequest
 from pipeline.metrics import PhaseTimer, StepRecord, reward_figures
@@ -73,9 +74,7 @@ class HybridTrainer:
         self.train_config = tc = make_train_config({"algorithm": algorithm, **train})
         uses_vllm = config.role("rollout").strategy == "vllm"
         if tc.partial_rollouts and config.role("rollout").strategy != "cuda_graph":
-            raise ValueError(f"train.partial_rollouts: the {config.role('rollout').strategy} rollout engine "
-                             f"generates every row to its end. Fix: set rollout.strategy: cuda_graph in the resource "
-                             f"file (it runs eagerly on a CPU), or turn partial_rollouts off.")
+            raise ValueError(partial_refusal(config.role("rollout").strategy))
         if uses_vllm and cluster is None and scheduler_address is None:
             # The local workers run this Python: without vllm they would start, load every other
             # role's model and only then fail in the rollout worker. Fail first, with the fix.

@@ -128,12 +128,17 @@ class PartialRows:
     born: torch.Tensor
 
 
+def partial_refusal(engine: str) -> str:
+    """Why `engine` cannot run partial rollouts, and the fix."""
+    return (f"train.partial_rollouts: the {engine} rollout engine generates every row to its end. Fix: set "
+            f"rollout.strategy: cuda_graph in the resource file (it runs eagerly on a CPU), or turn "
+            f"partial_rollouts off.")
+
+
 def refuse_partial(request: GenerationRequest, engine: str) -> None:
     """Partial rollouts need an engine that ends a request by groups and continues rows."""
     if request.partial:
-        raise ValueError(f"train.partial_rollouts: the {engine} engine generates every row to its end. Fix: set "
-                         f"rollout.strategy: cuda_graph in the resource file (it runs eagerly on a CPU), or turn "
-                         f"partial_rollouts off.")
+        raise ValueError(partial_refusal(engine))
 
 
 class FilterLogits:

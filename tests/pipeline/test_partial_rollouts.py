@@ -153,7 +153,7 @@ def test_engines_that_run_every_row_to_its_end_refuse_a_partial_request(model_an
     model, tokenizer = model_and_tokenizer
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu")
     request = GenerationRequest(_prompts(tokenizer, 0, 2), [0, 1], 2, 4, 1.0, seed=1, complete_groups=1)
-    with pytest.raises(ValueError, match="train.partial_rollouts: the hf engine .* Fix: set rollout.strategy: "
+    with pytest.raises(ValueError, match="train.partial_rollouts: the hf rollout engine .* Fix: set rollout.strategy: "
                                          "cuda_graph"):
         engine.generate(request, policy_version=0)
 
