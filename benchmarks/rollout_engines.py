@@ -37,11 +37,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import end_with_probability, mean_geometric_length, save_qwen2_05b  # noqa: E402
+from shapes import end_with_probability, mean_geometric_length, partial_requests, save_qwen2_05b  # noqa: E402
 
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm  # noqa: E402
-from pipeline.partial import carried_part, finish_born_before, new_groups  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
 from pipeline.roles.forward import response_logprobs  # noqa: E402
 
@@ -147,21 +146,11 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
     try:
         for probability in [0.0, *probabilities]:
             end.fill_(probability)
-            carried, drawn, runs = (), 0, []
-            for version in range(fill + requests):
-                count = new_groups(groups, carried, request_groups)
-                prompts = request(count, prompt, new, seed=version).prompt_ids
-                req = GenerationRequest(prompts, list(range(drawn, drawn + count)), samples, new, 1.0, version,
-                                        carried=carried, complete_groups=groups,
-                                        finish_born_before=finish_born_before(version, max_staleness))
-                drawn += count
-                _sync(device)
-                start = time.perf_counter()
-                rollout = engine.generate(req, version)
-                _sync(device)
-                carried = carried_part(rollout, groups, req.finish_born_before)
-                if version >= fill:
-                    runs.append((time.perf_counter() - start, dict(engine.last_stats), len(rollout) - len(carried)))
+            runs = [(seconds, dict(engine.last_stats), len(rollout) - len(carried))
+                    for version, rollout, carried, seconds in partial_requests(
+                        engine, lambda version, draws: request(len(draws), prompt, new, seed=version).prompt_ids,
+                        groups, samples, new, max_staleness, request_groups, fill + requests)
+                    if version >= fill]
             seconds = sum(run[0] for run in runs)
             row = {"end_probability": probability, "batch": batch, "samples_per_prompt": samples,
                    "max_new_tokens": new, "max_staleness": max_staleness, "request_groups": request_groups,
@@ -183,11 +172,6 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
         hook.remove()
     _below_full_length(rows, "partial, ")
     return rows
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:

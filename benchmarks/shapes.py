@@ -118,3 +118,34 @@ def padded_rows(prompt_lengths: list[int], response_lengths: list[int], vocab: i
     for row, (prompt, response) in enumerate(zip(prompt_lengths, response_lengths)):
         mask[row, prompt_width - prompt:prompt_width + response] = 1
     return ids * mask, mask
+
+
+def partial_requests(engine, draw_prompts, groups: int, samples: int, new: int, max_staleness: int,
+                     request_groups: int, count: int):
+    """`count` consecutive requests as train.partial_rollouts makes them: each holds the rows
+    the one before carried, then new groups (`draw_prompts(version, draws)`: a prompt for each
+    draw number), and ends once `groups` groups are complete. Yields (version, rollout, the
+    rows it carries, its seconds, the split into trained and carried rows included)."""
+    import time
+
+    import torch
+
+    from pipeline.partial import carried_part, finish_born_before, new_groups
+    from pipeline.records import GenerationRequest
+
+    cuda = torch.device(engine.device).type == "cuda"
+    carried, drawn = (), 0
+    for version in range(count):
+        draws = range(drawn, drawn + new_groups(groups, carried, request_groups))
+        drawn = draws.stop
+        request = GenerationRequest(draw_prompts(version, draws), list(draws), samples, new, 1.0, version,
+                                    carried=carried, complete_groups=groups,
+                                    finish_born_before=finish_born_before(version, max_staleness))
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        rollout = engine.generate(request, version)
+        if cuda:
+            torch.cuda.synchronize()
+        carried = carried_part(rollout, groups, request.finish_born_before)
+        yield version, rollout, carried, time.perf_counter() - start

@@ -38,19 +38,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.shapes import decode_seconds, end_with_probability  # noqa: E402
+from benchmarks.shapes import decode_seconds, end_with_probability, partial_requests  # noqa: E402
 from pipeline.engines import continuous  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import create_tiny_model, load_causal_lm, load_tokenizer  # noqa: E402
-from pipeline.partial import carried_part, finish_born_before, new_groups  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
 
 
 @torch.no_grad()
-def measure(engine, request: GenerationRequest, version: int = 0):
+def measure(engine, request: GenerationRequest):
     """One request through the slot loop (the engine looks at the device every
     EOS_CHECK_EVERY steps, as on a GPU) -> its rollout and its stats."""
-    rollout = engine.generate(request, version)
+    rollout = engine.generate(request, 0)
     return rollout, {**engine.last_stats, "mean_length": engine.last_stats["tokens"] / len(rollout)}
 
 
@@ -58,18 +57,11 @@ def measure_partial(engine, prompts: list[list[int]], samples: int, new: int, ma
                     requests: int, request_groups: int, fill: int) -> dict:
     """`requests` consecutive partial rollouts of len(prompts) groups a step (after `fill`
     that build the carry), as train.partial_rollouts runs them -> mean stats a request."""
-    groups, carried, drawn, runs = len(prompts), (), 0, []
-    for version in range(fill + requests):
-        count = new_groups(groups, carried, request_groups)
-        request = GenerationRequest([prompts[(drawn + i) % groups] for i in range(count)],
-                                    list(range(drawn, drawn + count)), samples, new, 1.0, seed=version,
-                                    carried=carried, complete_groups=groups,
-                                    finish_born_before=finish_born_before(version, max_staleness))
-        drawn += count
-        rollout, stats = measure(engine, request, version)
-        carried = carried_part(rollout, groups, request.finish_born_before)
-        if version >= fill:
-            runs.append(stats)
+    groups = len(prompts)
+    runs = [dict(engine.last_stats) for version, *_ in partial_requests(
+                engine, lambda version, draws: [prompts[draw % groups] for draw in draws], groups, samples, new,
+                max_staleness, request_groups, fill + requests)
+            if version >= fill]
     steps_at = {slots: sum(run["decode_steps_at"].get(slots, 0) for run in runs) / requests
                 for slots in {slots for run in runs for slots in run["decode_steps_at"]}}
     return {"slot_use": sum(run["slot_use"] for run in runs) / requests,

@@ -49,6 +49,11 @@ def bucket_batch(rows: int) -> int:
     return 1 << max(3, (max(rows, 1) - 1).bit_length())
 
 
+def bucket_length(length: int, step: int) -> int:
+    """A prompt width: `length` rounded up to a multiple of `step` (at least one step)."""
+    return max(step, -(-length // step) * step)
+
+
 class SlotRun:
     """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
 
@@ -221,8 +226,7 @@ class SlotRun:
         rows = torch.tensor(free[:count], device=self.device)
         prior = torch.tensor([self.prior[i] for i in waiting], device=self.device)
         prefixes = [self.prefixes[i] for i in waiting]
-        step = self.engine.prompt_bucket
-        width = min(self.length, max(self.width, -(-max(map(len, prefixes)) // step) * step))
+        width = min(self.length, max(self.width, bucket_length(max(map(len, prefixes)), self.engine.prompt_bucket)))
         ids, prompt_mask = left_pad(prefixes, self.engine.pad_id, width=width)
         ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
         columns = (torch.arange(width, device=self.device) + self.column - width) % self.length

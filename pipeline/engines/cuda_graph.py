@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
-from pipeline.engines.continuous import SlotRun, bucket_batch
+from pipeline.engines.continuous import SlotRun, bucket_batch, bucket_length
 from pipeline.engines.hf import (
     PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
 )
@@ -50,10 +50,6 @@ from resources.allocator import (
 )
 
 logger = logging.getLogger("dask_rl")
-
-def bucket_length(length: int, step: int) -> int:
-    return max(step, -(-length // step) * step)
-
 
 class CudaGraphEngine:
     """Samples with a CUDA-graph decode loop over continuously refilled slots; the same
