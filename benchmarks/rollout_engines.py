@@ -146,6 +146,9 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
     try:
         for probability in [0.0, *probabilities]:
             end.fill_(probability)
+            # A whole request first compiles every slot count these lengths meet (256 down to
+            # 8): a partial request may reach a smaller one only in a timed request.
+            engine.generate(request(batch, prompt, new, seed=2), 0)
             runs = [(seconds, dict(engine.last_stats), len(rollout) - len(carried))
                     for version, rollout, carried, seconds in partial_requests(
                         engine, lambda version, draws: request(len(draws), prompt, new, seed=version).prompt_ids,
@@ -160,14 +163,16 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
                    "slot_use": statistics.mean(run[1]["slot_use"] for run in runs),
                    "trained_rows": statistics.mean(run[2] for run in runs),
                    "carried_rows": statistics.mean(run[1]["carried_out"] for run in runs),
-                   "decode_steps": statistics.mean(run[1]["decode_steps"] for run in runs)}
+                   "decode_steps": statistics.mean(run[1]["decode_steps"] for run in runs),
+                   "request_seconds": [round(run[0], 3) for run in runs],
+                   "step_ms": [run[1]["step_ms"] for run in runs]}
             rows.append(row)
             print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}, max_staleness "
                   f"{max_staleness}), end probability {probability:<6}: {row['seconds']:5.2f} s a request, "
                   f"{row['decode_steps']:6.0f} decode steps, "
                   f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
-                  f"{row['trained_rows']:.0f} rows trained and {row['carried_rows']:.0f} carried a request",
-                  flush=True)
+                  f"{row['trained_rows']:.0f} rows trained and {row['carried_rows']:.0f} carried a request; "
+                  f"seconds of each request {row['request_seconds']}", flush=True)
     finally:
         hook.remove()
     _below_full_length(rows, "partial, ")
