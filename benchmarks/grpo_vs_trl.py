@@ -88,8 +88,12 @@ class GpuMemory:
 
 
 def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, float]:
+    """The median step, and the mean useful tokens a step over it: a step that compiled a
+    decode graph for a slot count met late (partial rollouts meet some after the warm-up)
+    moves neither."""
     s, t = seconds[warmup:], tokens[warmup:]
-    return {"step_seconds": statistics.median(s), "tokens_per_second": sum(t) / sum(s)}
+    return {"step_seconds": statistics.median(s), "tokens_per_second": statistics.mean(t) / statistics.median(s),
+            "step_seconds_all": s}
 
 
 def held_roles(dask_worker) -> dict:

@@ -86,9 +86,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--mean-response", type=float, default=215.0)
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick try")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--token-caps", type=int, nargs="*", default=[8192, 16384, 32768],
+    parser.add_argument("--token-caps", type=int, nargs="*", default=[8192, 16384, 65536],
                         help="also run packed with the auto budget capped at each (micro_batch_size: auto "
-                             "caps at 65536 real tokens)")
+                             "caps at 32768 real tokens)")
     parser.add_argument("--json", help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -54,6 +54,16 @@ def bucket_length(length: int, step: int) -> int:
     return max(step, -(-length // step) * step)
 
 
+def prefill_width(length: int, width: int, ring: int) -> int:
+    """The padded width a prefix of `length` tokens is prefilled at: the request's prompt
+    width, or for a longer (carried) prefix that width doubled until it fits, at most the
+    ring. Prefixes are prefilled in one pass per width, so a carried row's few hundred
+    tokens never pad every new prompt to its length, and a refill makes at most a few passes."""
+    while width < length and width < ring:
+        width *= 2
+    return min(width, ring)
+
+
 class SlotRun:
     """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
 
@@ -217,17 +227,25 @@ class SlotRun:
     def _refill(self, free: list[int]) -> None:
         """Prefill the next waiting sequences into the slots `free` (as many as wait), in the
         ring columns just before the next decode step's column. A carried row's prefill is its
-        prompt and its tokens so far; it fits the ring, which holds a prompt and a whole response."""
+        prompt and its tokens so far; it fits the ring, which holds a prompt and a whole
+        response. One prefill pass per prefill_width."""
         count = min(len(free), len(self.queue))
         if count == 0:
             return
         waiting = [self.queue.popleft() for _ in range(count)]
         self.started[waiting] = True
-        rows = torch.tensor(free[:count], device=self.device)
+        by_width: dict[int, list[tuple[int, int]]] = {}
+        for slot, sequence in zip(free, waiting):
+            width = prefill_width(len(self.prefixes[sequence]), self.width, self.length)
+            by_width.setdefault(width, []).append((slot, sequence))
+        for width, pairs in by_width.items():
+            self._prefill(width, [slot for slot, _ in pairs], [sequence for _, sequence in pairs])
+
+    def _prefill(self, width: int, slots: list[int], waiting: list[int]) -> None:
+        """One prefill pass: the prefixes of sequences `waiting`, left-padded to `width`, into `slots`."""
+        rows = torch.tensor(slots, device=self.device)
         prior = torch.tensor([self.prior[i] for i in waiting], device=self.device)
-        prefixes = [self.prefixes[i] for i in waiting]
-        width = min(self.length, max(self.width, bucket_length(max(map(len, prefixes)), self.engine.prompt_bucket)))
-        ids, prompt_mask = left_pad(prefixes, self.engine.pad_id, width=width)
+        ids, prompt_mask = left_pad([self.prefixes[i] for i in waiting], self.engine.pad_id, width=width)
         ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
         columns = (torch.arange(width, device=self.device) + self.column - width) % self.length
         logits = self.engine.model(input_ids=ids, attention_mask=prompt_mask,

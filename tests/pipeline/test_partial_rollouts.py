@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from pipeline.engines.continuous import prefill_width
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
@@ -78,8 +79,19 @@ def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_re
         # started at v0 must end now (finish_born_before 1): the request runs until they have.
         second = GenerationRequest(_prompts(tokenizer, 16, 2), [16, 17], 4, 24, 1.0, seed=6, carried=carried,
                                    complete_groups=2, finish_born_before=finish_born_before(1, 1))
-        continued = engine.generate(second, policy_version=1)
+        widths = []   # (rows, width) of each prefill pass
+        record = model.register_forward_pre_hook(
+            lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))
+            if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+        try:
+            continued = engine.generate(second, policy_version=1)
+        finally:
+            record.remove()
         assert len(continued) == len(carried) + 8
+        # New prompts are prefilled at the prompt width (16), carried prefixes (up to 16 + 23
+        # tokens) at 32 or the ring's 40, each width in its own pass.
+        passes = {width for _, width in widths}
+        assert 16 in passes and passes - {16} and passes <= {16, 32, 40}
         started_before = [i for i, row in enumerate(carried) if row.born is not None]
         assert not continued.unfinished[started_before].any()
         for i, row in enumerate(carried):   # each continues from its own tokens and logprobs
@@ -147,6 +159,12 @@ def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
     # Trained by the update from v5 at the earliest if carried once more: with max_staleness 1
     # a row born at v4 or before must end in the request generated with v5.
     assert finish_born_before(5, 1) == 5 and finish_born_before(5, 2) == 4
+
+
+def test_a_carried_prefix_is_prefilled_at_the_prompt_width_doubled_until_it_fits():
+    assert [prefill_width(n, 128, 1152) for n in (5, 128, 129, 256, 257, 600, 1025, 1152)] == [
+        128, 128, 256, 256, 512, 1024, 1152, 1152]
+    assert prefill_width(40, 16, 40) == 40 and prefill_width(17, 16, 40) == 32
 
 
 def test_engines_that_run_every_row_to_its_end_refuse_a_partial_request(model_and_tokenizer):
