@@ -5,7 +5,7 @@ of the update that consumes them.
 With partial rollouts (train.partial_rollouts) a shard's rollout holds more rows than the
 step trains on: the groups it completed are scored and trained on, the others are carried
 into the next batch's requests (pipeline/partial.py), which is therefore submitted only once
-this one has been generated."""
+this one has been generated: at most one batch ahead (partial.batches_ahead)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ logger = logging.getLogger("dask_rl")
 
 
 @dataclass
+class Carry:
+    """The rows a batch carries on (partial rollouts): futures, one per shard, until read."""
+
+    futures: list
+    rows: tuple[CarriedRow, ...] | None = None
+
+
+@dataclass
 class InFlightBatch:
     """One step's data while it is being generated and scored: futures, one per shard."""
 
@@ -38,6 +46,9 @@ class InFlightBatch:
     scores: list
     ref_logprobs: list        # empty without a reference model (kl_coef 0)
     values: list              # empty for GRPO
+    # Partial rollouts: the rows this batch continues, and those it carries on to the next.
+    carried_in: tuple[CarriedRow, ...] = ()
+    carry: Carry = dataclasses.field(default_factory=lambda: Carry([]))
 
     @property
     def futures(self) -> list:
@@ -51,11 +62,20 @@ class InFlight:
         self.stop_token_ids = stop_token_ids  # the model's ends of turn (models.stop_token_ids)
         self._pending: deque[InFlightBatch] = deque()
         self._submitted = 0
-        # Partial rollouts: the last batch's carried rows, futures (one per shard) until the
-        # next batch, a checkpoint or a record reads them; then the rows.
-        self._carry: list = []
-        self._carried: tuple[CarriedRow, ...] = ()
-        self.ahead = 0 if train_config.partial_rollouts else train_config.max_staleness
+        # Partial rollouts: what the last batch submitted carries (the next one continues
+        # it), or the rows a checkpoint carried until a resumed run's first batch takes them.
+        self._last: Carry | None = None
+        self._restored: tuple[CarriedRow, ...] = ()
+        if train_config.partial_rollouts:   # decided at start; a later placement change keeps it
+            shares_gpu = fleet.config.share_gpus("rollout", "actor")
+            self.ahead = partial.batches_ahead(train_config.max_staleness, shares_gpu)
+            logger.info("dask-rl: partial rollouts: %s; a carried row has %d more step(s) to end",
+                        "the next batch generates during the update" if self.ahead else
+                        "batches generate after the update (the rollout shares the actor's GPU)" if shares_gpu else
+                        "batches generate after the update (max_staleness 1)",
+                        train_config.max_staleness - self.ahead)
+        else:
+            self.ahead = train_config.max_staleness
 
     def next(self, version: int, weights) -> InFlightBatch:
         """The oldest in-flight batch no more than max_staleness versions old (older ones are
@@ -72,16 +92,28 @@ class InFlight:
             self._pending.append(self._submit(version, weights))
         return batch
 
-    def carried_rows(self) -> tuple[CarriedRow, ...]:
-        """The rows the next batch continues (partial rollouts), fetched once."""
-        if self._carry:
-            parts = self.fleet.wait("rollout", self._carry, "the rows partial rollouts carry")
-            self._carried, self._carry = tuple(row for part in parts for row in part), []
-        return self._carried
+    def carried_out(self, batch: InFlightBatch) -> tuple[CarriedRow, ...]:
+        """The rows `batch` carried on to the next (partial rollouts)."""
+        return self._read(batch.carry)
+
+    def _read(self, carry: Carry) -> tuple[CarriedRow, ...]:
+        if carry.rows is None:   # fetched once
+            parts = self.fleet.wait("rollout", carry.futures, "the rows partial rollouts carry")
+            carry.rows, carry.futures = tuple(row for part in parts for row in part), []
+        return carry.rows
+
+    def resume_carried(self) -> tuple[CarriedRow, ...]:
+        """The rows the batch at resume_point continues: a checkpoint keeps them."""
+        if self._pending:
+            return self._pending[0].carried_in
+        return self._next_carried()
 
     def restore_carried(self, rows: tuple[CarriedRow, ...]) -> None:
         """A resumed run's first batch continues the rows the checkpoint's run carried."""
-        self._carried, self._carry = rows, []
+        self._restored, self._last = rows, None
+
+    def _next_carried(self) -> tuple[CarriedRow, ...]:
+        return self._read(self._last) if self._last is not None else self._restored
 
     def _submit(self, version: int, weights) -> InFlightBatch:
         """Submit generation for one step's prompts, and scoring that starts as each shard lands."""
@@ -111,8 +143,9 @@ class InFlight:
         """Draw prompts_per_step prompts into `batch`, a shard per rollout worker (with partial
         rollouts, as many as the step's requests need besides the carried rows)."""
         tc, fleet = self.train_config, self.fleet
-        carried_rows = self.carried_rows() if tc.partial_rollouts else ()
-        self._carried = ()
+        carried_rows = self._next_carried() if tc.partial_rollouts else ()
+        if tc.partial_rollouts:
+            batch.carried_in, self._last, self._restored = carried_rows, batch.carry, ()
         prompts, draws = self.prompts.next_batch(
             partial.new_groups(tc.prompts_per_step, carried_rows, tc.partial_request_groups)
             if tc.partial_rollouts else tc.prompts_per_step)
@@ -130,12 +163,12 @@ class InFlight:
                 request = dataclasses.replace(
                     request, carried=carried[shard],
                     complete_groups=len(range(tc.prompts_per_step)[shard::n_shards]),
-                    finish_born_before=partial.finish_born_before(batch.version, tc.max_staleness))
+                    finish_born_before=partial.finish_born_before(batch.version, tc.max_staleness, self.ahead))
             shard_tag = f"{tag}-{shard}"
             generated = fleet.submit("rollout", rollout.generate, request, weights, tag=shard_tag)
             if carried is not None:
                 split = (generated, request.complete_groups, request.finish_born_before)
-                self._carry.append(fleet.submit("rollout", partial.carried_part, *split, tag=shard_tag))
+                batch.carry.futures.append(fleet.submit("rollout", partial.carried_part, *split, tag=shard_tag))
                 generated = fleet.submit("rollout", partial.trained_part, *split, tag=shard_tag)
             groups = list(dict.fromkeys([row.group_id for row in request.carried] + request.group_ids))
             batch.rollouts.append(generated)
@@ -168,7 +201,8 @@ class InFlight:
     def cancel(self) -> None:
         """Drop the batches still in flight (at close)."""
         for batch in self._pending:
-            self.fleet.client.cancel(batch.futures)
+            self.fleet.client.cancel(batch.futures + batch.carry.futures)
         self._pending.clear()
-        self.fleet.client.cancel(self._carry)
-        self._carry = []
+        if self._last is not None:
+            self.fleet.client.cancel(self._last.futures)
+            self._last = None

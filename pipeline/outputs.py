@@ -96,7 +96,7 @@ class RunOutputs:
         state = {"step": steps_done, "policy_version": fleet.version, "next_batch": index,
                  "prompt_position": position,
                  # Partial rollouts: the rows the next batch continues (token ids and logprobs).
-                 "carried_rows": [dataclasses.asdict(row) for row in batches.carried_rows()]}
+                 "carried_rows": [dataclasses.asdict(row) for row in batches.resume_carried()]}
         staging = checkpoint.staging_dir(self.checkpoints, steps_done)
         states.export_states(fleet, self.roles, staging)
         self.last_checkpoint = checkpoint.commit(staging, {**state, "algorithm": self.train_config.algorithm,

@@ -58,12 +58,21 @@ def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...], request_g
     return max(prompts_per_step, request_groups * prompts_per_step - len({row.group_id for row in carried}))
 
 
-def finish_born_before(version: int, max_staleness: int) -> int:
-    """A request generated with `version` is trained on by the update from `version` (the
-    batches are not generated ahead); a row it carries is trained on one version later at
+def batches_ahead(max_staleness: int, shares_gpu: bool) -> int:
+    """Batches generated ahead of the update with partial rollouts. A batch continues the rows
+    the one before carried, so batches generate one after the other: one ahead is all the
+    overlap there is, and it pays only when the rollout has GPUs of its own (on a GPU it shares
+    with the actor, the two take turns and the step is their sum either way). It costs a
+    version of the carried rows' allowance, so it needs max_staleness 2 or more."""
+    return 1 if max_staleness >= 2 and not shares_gpu else 0
+
+
+def finish_born_before(version: int, max_staleness: int, ahead: int = 0) -> int:
+    """A request generated with `version` is trained on by the update from `version + ahead`
+    (`ahead` batches generate ahead); a row it carries is trained on one version later at
     the earliest. Groups with a row whose first token is older than that allows must
     complete, and be trained on, now."""
-    return version + 1 - max_staleness
+    return version + 1 + ahead - max_staleness
 
 
 def shard_carried(rows: tuple[CarriedRow, ...], shards: int) -> list[tuple[CarriedRow, ...]]:

@@ -218,7 +218,7 @@ class HybridTrainer:
                             reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
                             tokens=stats["tokens"], seconds=time.perf_counter() - start,
                             staleness=sum(ages) / len(ages), staleness_max=max(ages),
-                            carried_rows=len(self.batches.carried_rows()) if tc.partial_rollouts else 0,
+                            carried_rows=len(self.batches.carried_out(batch)) if tc.partial_rollouts else 0,
                             losses=losses, phases=timer.seconds,
                             reward_std=stats["reward_std"], clipped_fraction=stats["clipped_fraction"],
                             dropped_samples=dropped + stats["dropped_samples"],

@@ -169,6 +169,11 @@ class ResourceConfig:
     def gpu_ids(self) -> tuple[int, ...]:
         return tuple(sorted({i for spec in self.roles.values() for i in spec.device_ids}))
 
+    def share_gpus(self, first: str, second: str) -> bool:
+        """Whether a worker of role `first` and one of `second` are placed on the same GPU."""
+        a, b = self.role(first), self.role(second)
+        return a.device_type == b.device_type == "cuda" and bool(set(a.device_ids) & set(b.device_ids))
+
     @property
     def resolved_comm_backend(self) -> str:
         """What "auto" means: NCCL when the actor's process group is on GPUs, else gloo."""

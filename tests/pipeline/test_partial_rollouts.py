@@ -14,7 +14,8 @@ from pipeline.engines.continuous import prefill_width
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
-from pipeline.partial import carried_part, finish_born_before, new_groups, shard_carried, trained_part
+from pipeline.partial import (batches_ahead, carried_part, finish_born_before, new_groups, shard_carried,
+                              trained_part)
 from pipeline.records import GenerationRequest, Rollout
 from pipeline.rewards import digit_fraction
 from pipeline.roles.forward import response_logprobs
@@ -159,6 +160,11 @@ def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
     # Trained by the update from v5 at the earliest if carried once more: with max_staleness 1
     # a row born at v4 or before must end in the request generated with v5.
     assert finish_born_before(5, 1) == 5 and finish_born_before(5, 2) == 4
+    # A batch generated one ahead is trained by the update from v6: its carried rows by v7 at
+    # the earliest, so with max_staleness 2 a row born at v4 must end now.
+    assert finish_born_before(5, 2, ahead=1) == 5 and finish_born_before(5, 3, ahead=1) == 4
+    # One batch ahead only when the rollout has GPUs of its own and a version to spare.
+    assert [batches_ahead(s, shares) for s in (1, 2, 3) for shares in (False, True)] == [0, 0, 1, 0, 1, 0]
 
 
 def test_a_carried_prefix_is_prefilled_at_the_prompt_width_doubled_until_it_fits():
@@ -228,3 +234,33 @@ def test_partial_rollouts_are_refused_with_an_engine_that_cannot_cut_a_request(s
     with pytest.raises(ValueError, match=r"train.partial_request_groups: 0 is not allowed. Fix: use 1 to 16"):
         HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts,
                       **{**PARTIAL, "partial_request_groups": 0})
+
+
+def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update_and_resumes(
+        shared_cluster, shared_config, tiny_model, prompts, tmp_path):
+    # CPU roles are separate processes: the rollout does not share the actor's GPU.
+    config = _cuda_graph(shared_config)
+    common = dict(prompts=prompts, cluster=shared_cluster, **{**PARTIAL, "max_staleness": 2})
+    with HybridTrainer(tiny_model, digit_fraction, config, output_dir=str(tmp_path / "a"), steps=4,
+                       checkpoint={"every_n_steps": 2, "keep_last": 2}, **common) as straight_run:
+        assert straight_run.batches.ahead == 1
+        straight = straight_run.train()
+    assert [r.policy_version for r in straight] == [1, 2, 3, 4]
+    # Batch 0 is trained on with the weights that generated it. Each later batch was generated
+    # during the update before: every row it trains on is at least a version old, none more
+    # than max_staleness.
+    assert straight[0].staleness == 0
+    assert all(r.staleness >= 1 and r.staleness_max <= 2 for r in straight[1:])
+    assert any(r.carried_rows for r in straight) and any(r.staleness_max == 2 for r in straight)
+    # The checkpoint after step 2 holds what the batch generating at the save continues: the
+    # rows step 1's batch carried. The resumed run generates that batch again from them.
+    saved = json.loads((tmp_path / "a" / "checkpoints" / "step-000002" / "trainer.json").read_text())
+    assert len(saved["carried_rows"]) == straight[1].carried_rows > 0
+    assert saved["next_batch"] == 2        # batches 0 and 1 trained on, batch 2 generating
+    with HybridTrainer(tiny_model, digit_fraction, config, output_dir=str(tmp_path / "b"), steps=4,
+                       resume=str(tmp_path / "a" / "checkpoints" / "step-000002"), **common) as resumed:
+        again = resumed.train()
+    assert [r.policy_version for r in again] == [3, 4]
+    assert all(r.staleness_max <= 2 for r in again)
+    assert again[0].staleness_max >= 1   # rows born before the save (v2): the checkpoint's carry went on
+    assert [round(r.tokens / r.response_length) for r in again] == [16, 16]

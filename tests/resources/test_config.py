@@ -374,3 +374,15 @@ def test_imports_run_one_way():
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for alias in node.names}
     assert not imported & {"resources.validate", "resources.yaml_reader", "resources"}
+
+
+def test_roles_share_a_gpu_only_when_their_device_ids_meet():
+    own = parse_resource_config(DESIGN, gpus=GPUS)       # rollout on GPU 3, actor on 0 and 1
+    assert not own.share_gpus("rollout", "actor") and own.share_gpus("critic", "actor")
+    one = parse_resource_config({"actor": {"device_type": "cuda", "device_ids": [0]},
+                                 "rollout": {"device_type": "cuda", "device_ids": [0]},
+                                 "reward": {"device_type": "cpu"}, "allow_shared_devices": True}, gpus=GPUS)
+    assert one.share_gpus("rollout", "actor")
+    cpu = parse_resource_config({"actor": {"device_type": "cpu"}, "rollout": {"device_type": "cpu"},
+                                 "reward": {"device_type": "cpu"}}, gpus=[])
+    assert not cpu.share_gpus("rollout", "actor")        # separate processes, no GPU
