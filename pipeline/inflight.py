@@ -66,14 +66,15 @@ class InFlight:
         # it), or the rows a checkpoint carried until a resumed run's first batch takes them.
         self._last: Carry | None = None
         self._restored: tuple[CarriedRow, ...] = ()
+        self.partial_mode = ""   # partial rollouts: how batches overlap the update, for the user
         if train_config.partial_rollouts:   # decided at start; a later placement change keeps it
             shares_gpu = fleet.config.share_gpus("rollout", "actor")
             self.ahead = partial.batches_ahead(train_config.max_staleness, shares_gpu)
-            logger.info("dask-rl: partial rollouts: %s; a carried row has %d more step(s) to end",
-                        "the next batch generates during the update" if self.ahead else
-                        "batches generate after the update (the rollout shares the actor's GPU)" if shares_gpu else
-                        "batches generate after the update (max_staleness 1)",
-                        train_config.max_staleness - self.ahead)
+            self.partial_mode = (
+                ("the next batch generates during the update" if self.ahead else
+                 "batches generate after the update (the rollout shares the actor's GPU)" if shares_gpu else
+                 "batches generate after the update (max_staleness 1)")
+                + f"; a carried row has {train_config.max_staleness - self.ahead} more step(s) to end")
         else:
             self.ahead = train_config.max_staleness
 

@@ -121,6 +121,8 @@ class HybridTrainer:
         link = self.fleet.cluster.dashboard_link
         print(f"dask-rl: scheduler at {self.fleet.client.scheduler.address} (for `dask-rl worker` and "
               f"`dask-rl scale`); dashboard at {link}, RL page {link.rsplit('/', 1)[0]}{monitor.PAGE}", flush=True)
+        if self.batches.partial_mode:
+            print(f"dask-rl: partial rollouts: {self.batches.partial_mode}", flush=True)
 
     @property
     def resources(self) -> ResourceConfig:

@@ -244,6 +244,8 @@ def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update
     with HybridTrainer(tiny_model, digit_fraction, config, output_dir=str(tmp_path / "a"), steps=4,
                        checkpoint={"every_n_steps": 2, "keep_last": 2}, **common) as straight_run:
         assert straight_run.batches.ahead == 1
+        assert straight_run.batches.partial_mode == ("the next batch generates during the update; a carried row "
+                                                     "has 1 more step(s) to end")
         straight = straight_run.train()
     assert [r.policy_version for r in straight] == [1, 2, 3, 4]
     # Batch 0 is trained on with the weights that generated it. Each later batch was generated
