@@ -266,3 +266,25 @@ def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update
     assert all(r.staleness_max <= 2 for r in again)
     assert again[0].staleness_max >= 1   # rows born before the save (v2): the checkpoint's carry went on
     assert [round(r.tokens / r.response_length) for r in again] == [16, 16]
+
+
+def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
+        shared_cluster, shared_config, tiny_model, tmp_path):
+    """examples/partial_cpu.yaml's training section, on the shared cluster's CPU workers: its
+    128 slots hold every row of a request, so the extra groups all start and every step
+    from the third trains rows 2 versions old (the README says so)."""
+    from pathlib import Path
+
+    from pipeline.config import load_run_file
+
+    run = load_run_file(Path(__file__).resolve().parents[2] / "examples" / "partial_cpu.yaml")
+    assert run.resources.role("rollout").strategy == "cuda_graph"
+    assert not run.resources.share_gpus("rollout", "actor")
+    train = {key: value for key, value in dataclasses.asdict(run.train).items() if key != "algorithm"}
+    with HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), algorithm=run.train.algorithm,
+                       prompts=run.inputs["prompts"], cluster=shared_cluster, output_dir=str(tmp_path),
+                       show_progress=False, **{**train, "steps": 4}) as trainer:
+        assert trainer.batches.ahead == 1
+        records = trainer.train()
+    assert [r.staleness for r in records] == [0.0, 1.0, 2.0, 2.0]
+    assert all(r.carried_rows > 0 for r in records)
