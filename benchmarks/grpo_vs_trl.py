@@ -130,7 +130,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         "actor": {**gpu, "strategy": "none"}, "rollout": {**gpu, "strategy": "cuda_graph"},
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True,
         "comm_backend": "nccl", "timeout_seconds": 600})
-    seconds, tokens, phases = [], [], []
+    seconds, tokens, phases, staleness = [], [], [], []
     with GpuMemory() as memory:
         start, start_wall = time.perf_counter(), time.time()
         trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
@@ -147,6 +147,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
             seconds.append(record.seconds)
             tokens.append(record.tokens)
             phases.append(record.phases)
+            staleness.append(record.staleness)   # partial rollouts trade it for shorter rollouts
             print(f"dask-rl step {record.step}: {record.seconds:.2f} s, {record.tokens} tokens, "
                   + ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items()), flush=True)
 
@@ -186,6 +187,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     result["mean_response_tokens"] = sum(tokens[args.warmup:]) / (len(tokens[args.warmup:])
                                                                  * args.prompts_per_step * SAMPLES)
     result["slot_use"] = statistics.mean(slot_use[args.warmup:]) if slot_use[args.warmup:] else None
+    result["staleness"] = statistics.mean(staleness[args.warmup:] or staleness)   # versions, mean over rows
     # The rollout's own GPU time: on one shared GPU the update runs while the next batch
     # decodes, and the two processes take turns on the GPU.
     result["engine_seconds"] = statistics.median(engine_seconds[args.warmup:]) if engine_seconds[args.warmup:] else None
@@ -336,7 +338,8 @@ def main(argv=None) -> int:
           f"(batch {batch}){tail}, prompt {PROMPT_TOKENS} tokens, KL 0, micro-batch {args.micro_batches[0]}:")
     for name, r in results.items():
         extra = (f"  waiting for the rollout {r['rollout_seconds']:.2f} s  update {r['update_seconds']:.2f} s  slot use "
-                 f"{r['slot_use'] or 0:.2f}  rollout engine {r['engine_seconds'] or 0:.2f} s" if "update_seconds" in r else "")
+                 f"{r['slot_use'] or 0:.2f}  rollout engine {r['engine_seconds'] or 0:.2f} s  staleness "
+                 f"{r['staleness']:.2f}" if "update_seconds" in r else "")
         print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} useful tokens/s  "
               f"mean response {r['mean_response_tokens']:6.1f}  peak GPU memory (all processes) "
               f"{r['peak_gib']:5.1f} GiB{extra}")
