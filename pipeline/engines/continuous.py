@@ -92,6 +92,11 @@ class SlotRun:
         self.column = 0            # the ring column the next decode step writes (a host int: no sync)
         self.check_every = engine.check_every or (EOS_CHECK_EVERY if torch.device(device).type == "cuda" else 1)
         self.stats = {"slots": slots}
+        # The most tokens (rows x padded width) one prefill pass holds: what the engine's
+        # memory plan counted for the request's prompts. A partial rollout's first refill can
+        # hold a hundred carried rows of 1152 tokens, whose activations in one pass would be
+        # several GiB beyond the plan; in passes of this size they stay within it.
+        self.prefill_tokens = slots * width
         self._carry_in(request.carried, groups)
         self._start(slots)
 
@@ -228,7 +233,7 @@ class SlotRun:
         """Prefill the next waiting sequences into the slots `free` (as many as wait), in the
         ring columns just before the next decode step's column. A carried row's prefill is its
         prompt and its tokens so far; it fits the ring, which holds a prompt and a whole
-        response. One prefill pass per prefill_width."""
+        response. One prefill pass per prefill_width, of at most prefill_tokens tokens."""
         count = min(len(free), len(self.queue))
         if count == 0:
             return
@@ -239,7 +244,9 @@ class SlotRun:
             width = prefill_width(len(self.prefixes[sequence]), self.width, self.length)
             by_width.setdefault(width, []).append((slot, sequence))
         for width, pairs in by_width.items():
-            self._prefill(width, [slot for slot, _ in pairs], [sequence for _, sequence in pairs])
+            rows = max(1, self.prefill_tokens // width)
+            for part in (pairs[i:i + rows] for i in range(0, len(pairs), rows)):
+                self._prefill(width, [slot for slot, _ in part], [sequence for _, sequence in part])
 
     def _prefill(self, width: int, slots: list[int], waiting: list[int]) -> None:
         """One prefill pass: the prefixes of sequences `waiting`, left-padded to `width`, into `slots`."""

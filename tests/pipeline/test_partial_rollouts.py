@@ -16,7 +16,7 @@ from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
 from pipeline.partial import (batches_ahead, carried_part, finish_born_before, new_groups, shard_carried,
                               trained_part)
-from pipeline.records import GenerationRequest, Rollout
+from pipeline.records import CarriedRow, GenerationRequest, Rollout
 from pipeline.rewards import digit_fraction
 from pipeline.roles.forward import response_logprobs
 from pipeline.trainer import HybridTrainer
@@ -93,6 +93,7 @@ def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_re
         # tokens) at 32 or the ring's 40, each width in its own pass.
         passes = {width for _, width in widths}
         assert 16 in passes and passes - {16} and passes <= {16, 32, 40}
+        assert all(rows * width <= 8 * 16 for rows, width in widths), widths   # within the memory plan
         started_before = [i for i, row in enumerate(carried) if row.born is not None]
         assert not continued.unfinished[started_before].any()
         for i, row in enumerate(carried):   # each continues from its own tokens and logprobs
@@ -165,6 +166,35 @@ def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
     assert finish_born_before(5, 2, ahead=1) == 5 and finish_born_before(5, 3, ahead=1) == 4
     # One batch ahead only when the rollout has GPUs of its own and a version to spare.
     assert [batches_ahead(s, shares) for s in (1, 2, 3) for shares in (False, True)] == [0, 0, 1, 0, 1, 0]
+
+
+def test_long_carried_prefixes_are_prefilled_in_passes_the_memory_plan_covers(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
+                             max_batch_size=8, prompt_bucket=16)
+    # Two groups of 4 carried with 30 tokens each behind prompts of up to 16: prefixes of up
+    # to 46 tokens, prefilled at 64. The plan counted 8 slots x 16 prompt tokens: 2 rows a pass.
+    prompts = _prompts(tokenizer, 0, 2)
+    tokens = [t for t in tokenizer("one two three four five six seven eight nine ten " * 8)["input_ids"]
+              if t not in (tokenizer.eos_token_id, tokenizer.pad_token_id)]
+    carried = tuple(CarriedRow(prompt_ids=prompts[g], response_ids=tokens[i:i + 30], logprobs=[-1.0] * 30,
+                               group_id=g, born=0) for g in range(2) for i in range(4))
+    request = GenerationRequest(_prompts(tokenizer, 2, 1), [2], 4, 64, 1.0, seed=3, carried=carried, complete_groups=2)
+    widths = []
+    record = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))
+        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    try:
+        rollout = engine.generate(request, policy_version=1)
+    finally:
+        record.remove()
+    assert widths[:4] == [(2, 64)] * 4 and all(rows * width <= 8 * 16 for rows, width in widths), widths
+    # Each carried row went on from its 30 tokens; what it generated here is the policy's.
+    expected = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
+    new = rollout.response_mask.bool().clone()
+    new[:8, :30] = False
+    assert new[:8].any()
+    torch.testing.assert_close(rollout.behavior_logprobs[new], expected[new], atol=2e-5, rtol=0)
 
 
 def test_a_carried_prefix_is_prefilled_at_the_prompt_width_doubled_until_it_fits():
