@@ -39,6 +39,19 @@ def _eos_bias(model, eos: int, bias: float):
     return model.lm_head.register_forward_hook(raise_eos)
 
 
+def _generate_recording_prefills(engine, request: GenerationRequest, version: int) -> tuple[Rollout, list]:
+    """engine.generate, and the (rows, width) of each prefill pass it made (a decode step
+    feeds one token a row)."""
+    widths = []
+    record = engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))
+        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    try:
+        return engine.generate(request, policy_version=version), widths
+    finally:
+        record.remove()
+
+
 def _complete_groups(rollout: Rollout) -> set[int]:
     return set(rollout.group_ids.tolist()) - set(rollout.group_ids[rollout.unfinished].tolist())
 
@@ -80,14 +93,7 @@ def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_re
         # started at v0 must end now (finish_born_before 1): the request runs until they have.
         second = GenerationRequest(_prompts(tokenizer, 16, 2), [16, 17], 4, 24, 1.0, seed=6, carried=carried,
                                    complete_groups=2, finish_born_before=finish_born_before(1, 1))
-        widths = []   # (rows, width) of each prefill pass
-        record = model.register_forward_pre_hook(
-            lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))
-            if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
-        try:
-            continued = engine.generate(second, policy_version=1)
-        finally:
-            record.remove()
+        continued, widths = _generate_recording_prefills(engine, second, 1)
         assert len(continued) == len(carried) + 8
         # New prompts are prefilled at the prompt width (16), carried prefixes (up to 16 + 23
         # tokens) at 32 or the ring's 40, each width in its own pass.
@@ -180,14 +186,7 @@ def test_long_carried_prefixes_are_prefilled_in_passes_the_memory_plan_covers(mo
     carried = tuple(CarriedRow(prompt_ids=prompts[g], response_ids=tokens[i:i + 30], logprobs=[-1.0] * 30,
                                group_id=g, born=0) for g in range(2) for i in range(4))
     request = GenerationRequest(_prompts(tokenizer, 2, 1), [2], 4, 64, 1.0, seed=3, carried=carried, complete_groups=2)
-    widths = []
-    record = model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))
-        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
-    try:
-        rollout = engine.generate(request, policy_version=1)
-    finally:
-        record.remove()
+    rollout, widths = _generate_recording_prefills(engine, request, 1)
     assert widths[:4] == [(2, 64)] * 4 and all(rows * width <= 8 * 16 for rows, width in widths), widths
     # Each carried row went on from its 30 tokens; what it generated here is the policy's.
     expected = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
