@@ -103,7 +103,6 @@ def run_setting(cluster, run, model_dir: str, reward_fn, train: dict, staleness:
             cpu_after, load_after = role_cpu(cluster), os.getloadavg()[0]
         finally:
             trainer.close()   # drops the batches still in flight; the shared cluster stays up
-            shutil.rmtree(trainer.snapshot_dir, ignore_errors=True)
     wall = stop - start
     workers = {role: max(1, len(cluster.workers_of(role))) for role in ROLES}
     busy = role_busy(client, start, stop)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import tempfile
 import time
@@ -66,7 +65,6 @@ def run_recipe(cluster, run, reward_fn, recipe: dict, steps: int) -> list:
             return trainer.train()
         finally:
             trainer.close()   # the shared cluster stays up for the next recipe
-            shutil.rmtree(trainer.fleet.snapshot_dir, ignore_errors=True)
 
 
 def summarise(name: str, records: list, window: int, seconds: float) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -71,7 +70,6 @@ def run_curve(cluster, run, reward_fn, *, seed: int, staleness: int, steps: int,
             return trainer.train(steps)
         finally:
             trainer.close()   # drops the batches still in flight; the shared cluster stays up
-            shutil.rmtree(trainer.snapshot_dir, ignore_errors=True)
 
 
 def summarise(name: str, seed: int, records: list, window: int, target: float) -> dict:
