@@ -46,11 +46,11 @@ from pipeline.records import GenerationRequest  # noqa: E402
 
 
 @torch.no_grad()
-def measure(engine, request: GenerationRequest):
+def measure(engine, request: GenerationRequest) -> dict:
     """One request through the slot loop (the engine looks at the device every
-    EOS_CHECK_EVERY steps, as on a GPU) -> its rollout and its stats."""
+    EOS_CHECK_EVERY steps, as on a GPU) -> its stats."""
     rollout = engine.generate(request, 0)
-    return rollout, {**engine.last_stats, "mean_length": engine.last_stats["tokens"] / len(rollout)}
+    return {**engine.last_stats, "mean_length": engine.last_stats["tokens"] / len(rollout)}
 
 
 def measure_partial(engine, prompts: list[list[int]], samples: int, new: int, max_staleness: int,
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
         try:
             for share in args.shrink_share:
                 continuous.SHRINK_SHARE = share
-                _, row = measure(engine, request)
+                row = measure(engine, request)
                 print(f"p {probability}, shrink at 1/{share} live: mean length {row['mean_length']:.1f}, "
                       f"{row['decode_steps']} decode steps, slot use {row['slot_use']:.2f}; decode steps at "
                       + ", ".join(f"{slots} slots: {steps}" for slots, steps in sorted(row["decode_steps_at"].items(),

@@ -164,8 +164,8 @@ class TrainConfig:
     filter_groups_max_draws: int = 4
     # Partial rollouts (the cuda_graph engine): a step's rollout ends once its prompts_per_step
     # groups are complete; unfinished rows continue in the next step's rollout with the newer
-    # weights. Batches are then not generated ahead; max_staleness bounds the age of a row's
-    # oldest token when it is trained on.
+    # weights. At most one batch generates ahead (partial.batches_ahead); max_staleness bounds
+    # the age of a row's oldest token when it is trained on.
     partial_rollouts: bool = False
     partial_request_groups: int = 2       # a request holds this many times prompts_per_step groups
     overlong_filter: bool = False         # DAPO: responses cut at max_new_tokens leave the loss

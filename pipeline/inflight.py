@@ -144,8 +144,9 @@ class InFlight:
         """Draw prompts_per_step prompts into `batch`, a shard per rollout worker (with partial
         rollouts, as many as the step's requests need besides the carried rows)."""
         tc, fleet = self.train_config, self.fleet
-        carried_rows = self._next_carried() if tc.partial_rollouts else ()
+        carried_rows = ()
         if tc.partial_rollouts:
+            carried_rows = self._next_carried()
             batch.carried_in, self._last, self._restored = carried_rows, batch.carry, ()
         prompts, draws = self.prompts.next_batch(
             partial.new_groups(tc.prompts_per_step, carried_rows, tc.partial_request_groups)
