@@ -109,6 +109,21 @@ def _below_full_length(rows: list[dict], what: str) -> None:
               f"below the full-length rate", flush=True)
 
 
+def _time_spent(seconds: list[float], stats: list[dict]) -> dict:
+    """Where a request's time went, means over requests: prefill passes (device time; tokens
+    computed and real), host work at sync points (the device waits), and the rest (decode)."""
+    def mean(key):
+        return statistics.mean(s[key] for s in stats)
+    spent = {"prefill_s": mean("prefill_ms") / 1e3, "host_s": mean("host_ms") / 1e3,
+             "prefill_passes": mean("prefill_passes"), "prefill_tokens": mean("prefill_tokens"),
+             "prefill_real_tokens": mean("prefill_real_tokens")}
+    spent["decode_s"] = statistics.mean(seconds) - spent["prefill_s"] - spent["host_s"]
+    print(f"  a request's time: prefill {spent['prefill_s']:.3f} s ({spent['prefill_passes']:.0f} passes, "
+          f"{spent['prefill_tokens']:,.0f} tokens computed for {spent['prefill_real_tokens']:,.0f}), host at sync "
+          f"points {spent['host_s']:.3f} s, decode and the rest {spent['decode_s']:.3f} s", flush=True)
+    return spent
+
+
 def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float, repeats: int) -> dict:
     engine.generate(request(batch, prompt, new, seed=2), 0)   # compiles the graphs of this shape (and its smaller slot counts)
     times, stats, tokens = [], [], []
@@ -131,6 +146,7 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
           f"{row['seconds']:5.2f} s, {row['useful_tokens_per_second']:>8,.0f} useful tokens/s, "
           f"slot use {row['slot_use']:.2f}; ms a decode step at each slot count: "
           + ", ".join(f"{slots}: {ms:.2f}" for slots, ms in row["step_ms"].items()), flush=True)
+    row["time_spent"] = _time_spent(times, stats)
     return row
 
 
@@ -173,6 +189,7 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
                   f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
                   f"{row['trained_rows']:.0f} rows trained and {row['carried_rows']:.0f} carried a request; "
                   f"seconds of each request {row['request_seconds']}", flush=True)
+            row["time_spent"] = _time_spent([run[0] for run in runs], [run[1] for run in runs])
     finally:
         hook.remove()
     _below_full_length(rows, "partial, ")

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from pipeline.engines.continuous import prefill_width
+from pipeline.engines.continuous import prefill_passes
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
@@ -95,10 +95,11 @@ def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_re
                                    complete_groups=2, finish_born_before=finish_born_before(1, 1))
         continued, widths = _generate_recording_prefills(engine, second, 1)
         assert len(continued) == len(carried) + 8
-        # New prompts are prefilled at the prompt width (16), carried prefixes (up to 16 + 23
-        # tokens) at 32 or the ring's 40, each width in its own pass.
-        passes = {width for _, width in widths}
-        assert 16 in passes and passes - {16} and passes <= {16, 32, 40}
+        # Carried prefixes (up to 16 + 23 tokens) are prefilled at their length rounded up to
+        # the bucket (16), at most the ring's 40, the new prompts at 16: longest first.
+        passes = [width for _, width in widths]
+        assert passes == sorted(passes, reverse=True) and passes[-1] == 16 and set(passes) <= {16, 32, 40}
+        assert len(set(passes)) > 1, widths
         assert all(rows * width <= 8 * 16 for rows, width in widths), widths   # within the memory plan
         started_before = [i for i, row in enumerate(carried) if row.born is not None]
         assert not continued.unfinished[started_before].any()
@@ -179,7 +180,7 @@ def test_long_carried_prefixes_are_prefilled_in_passes_the_memory_plan_covers(mo
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
                              max_batch_size=8, prompt_bucket=16)
     # Two groups of 4 carried with 30 tokens each behind prompts of up to 16: prefixes of up
-    # to 46 tokens, prefilled at 64. The plan counted 8 slots x 16 prompt tokens: 2 rows a pass.
+    # to 46 tokens, prefilled at 48. The plan counted 8 slots x 16 prompt tokens: 2 rows a pass.
     prompts = _prompts(tokenizer, 0, 2)
     tokens = [t for t in tokenizer("one two three four five six seven eight nine ten " * 8)["input_ids"]
               if t not in (tokenizer.eos_token_id, tokenizer.pad_token_id)]
@@ -187,7 +188,7 @@ def test_long_carried_prefixes_are_prefilled_in_passes_the_memory_plan_covers(mo
                                group_id=g, born=0) for g in range(2) for i in range(4))
     request = GenerationRequest(_prompts(tokenizer, 2, 1), [2], 4, 64, 1.0, seed=3, carried=carried, complete_groups=2)
     rollout, widths = _generate_recording_prefills(engine, request, 1)
-    assert widths[:4] == [(2, 64)] * 4 and all(rows * width <= 8 * 16 for rows, width in widths), widths
+    assert widths[:4] == [(2, 48)] * 4 and all(rows * width <= 8 * 16 for rows, width in widths), widths
     # Each carried row went on from its 30 tokens; what it generated here is the policy's.
     expected = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
     new = rollout.response_mask.bool().clone()
@@ -196,10 +197,18 @@ def test_long_carried_prefixes_are_prefilled_in_passes_the_memory_plan_covers(mo
     torch.testing.assert_close(rollout.behavior_logprobs[new], expected[new], atol=2e-5, rtol=0)
 
 
-def test_a_carried_prefix_is_prefilled_at_the_prompt_width_doubled_until_it_fits():
-    assert [prefill_width(n, 128, 1152) for n in (5, 128, 129, 256, 257, 600, 1025, 1152)] == [
-        128, 128, 256, 256, 512, 1024, 1152, 1152]
-    assert prefill_width(40, 16, 40) == 40 and prefill_width(17, 16, 40) == 32
+def test_prefixes_are_prefilled_longest_first_in_passes_padded_to_their_bucket():
+    # Budget 400 tokens, bucket 64, ring 300: 290 -> 300 (the ring) and 200 -> 256 go alone
+    # (two rows would pass 400); the two 150s share 192 (384 tokens), then 130 and 60 do;
+    # a third row would not fit, so 5 starts a pass at 64.
+    lengths = [60, 150, 290, 5, 200, 130, 150]
+    assert prefill_passes(lengths, 64, 300, 400) == [(300, [2]), (256, [4]), (192, [1, 6]), (192, [5, 0]),
+                                                     (64, [3])]
+    # A pass holds one row whatever the budget; every prefix is in exactly one pass.
+    assert prefill_passes([1000], 64, 1152, 128) == [(1024, [0])]
+    passes = prefill_passes([128] * 10 + [700] * 3, 128, 1152, 1024)
+    assert sorted(i for _, members in passes for i in members) == list(range(13))
+    assert passes == [(768, [10]), (768, [11]), (768, [12]), (128, list(range(8))), (128, [8, 9])]
 
 
 def test_engines_that_run_every_row_to_its_end_refuse_a_partial_request(model_and_tokenizer):
