@@ -138,6 +138,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                                 max_new_tokens=args.new_tokens, kl_coef=0.0, max_staleness=args.max_staleness,
                                 dtype="bfloat16",
                                 partial_rollouts=args.partial_rollouts, partial_request_groups=args.request_groups,
+                                partial_keep_kv=args.partial_keep_kv,
                                 micro_batch_size=micro_batch, actor_lr=1e-6, temperature=1.0, show_progress=False,
                                 dashboard_address=":0", output_dir=f"{args.work_dir}/dask-rl-mb{micro_batch}")
         started = time.perf_counter() - start
@@ -306,6 +307,8 @@ def main(argv=None) -> int:
                         help="each token ends the response with this probability (0: full lengths)")
     parser.add_argument("--max-staleness", type=int, default=1, help="dask-rl's train.max_staleness")
     parser.add_argument("--request-groups", type=int, default=2, help="dask-rl's train.partial_request_groups")
+    parser.add_argument("--partial-keep-kv", action="store_true",
+                        help="dask-rl with train.partial_keep_kv: a row still in its slot decodes on there")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
     parser.add_argument("--logit-chunk", type=int, default=0,

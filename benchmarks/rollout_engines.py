@@ -105,7 +105,8 @@ def _below_full_length(rows: list[dict], what: str) -> None:
     """Each long-tail row's useful tokens/s against the first row's (full length)."""
     full = rows[0]["useful_tokens_per_second"]
     for row in rows[1:]:
-        print(f"  {what}end probability {row['end_probability']}: {full / row['useful_tokens_per_second']:.2f}x "
+        kv = f" ({row['kv']})" if "kv" in row else ""
+        print(f"  {what}end probability {row['end_probability']}{kv}: {full / row['useful_tokens_per_second']:.2f}x "
               f"below the full-length rate", flush=True)
 
 
@@ -151,9 +152,11 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
 
 
 def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[float], samples: int,
-                  requests: int, max_staleness: int, request_groups: int, fill: int = 2) -> list:
+                  requests: int, max_staleness: int, request_groups: int, kv_modes: list[str], fill: int = 2) -> list:
     """Useful tokens/s of the cuda_graph engine over `requests` consecutive partial
-    rollouts (after `fill` that build the carry), at full length and at each end probability."""
+    rollouts (after `fill` that build the carry), at full length and at each end probability,
+    once for each of `kv_modes`: "prefill" (a carried row is prefilled again) and "keep" (a
+    row still in its slot decodes on there, train.partial_keep_kv)."""
     device = next(model.parameters()).device
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=str(device), max_batch_size=batch)
     end = torch.zeros((), device=device)   # hooked once, before anything compiles (see bench_long_tail)
@@ -165,35 +168,45 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
             # A whole request first compiles every slot count these lengths meet (256 down to
             # 8): a partial request may reach a smaller one only in a timed request.
             engine.generate(request(batch, prompt, new, seed=2), 0)
-            runs = [(seconds, dict(engine.last_stats), len(rollout) - len(carried))
-                    for version, rollout, carried, seconds in partial_requests(
-                        engine, lambda version, draws: request(len(draws), prompt, new, seed=version).prompt_ids,
-                        groups, samples, new, max_staleness, request_groups, fill + requests)
-                    if version >= fill]
-            seconds = sum(run[0] for run in runs)
-            row = {"end_probability": probability, "batch": batch, "samples_per_prompt": samples,
-                   "max_new_tokens": new, "max_staleness": max_staleness, "request_groups": request_groups,
-                   "requests": requests,
-                   "seconds": seconds / requests,
-                   "useful_tokens_per_second": sum(run[1]["tokens"] for run in runs) / seconds,
-                   "slot_use": statistics.mean(run[1]["slot_use"] for run in runs),
-                   "trained_rows": statistics.mean(run[2] for run in runs),
-                   "carried_rows": statistics.mean(run[1]["carried_out"] for run in runs),
-                   "decode_steps": statistics.mean(run[1]["decode_steps"] for run in runs),
-                   "request_seconds": [round(run[0], 3) for run in runs],
-                   "step_ms": [run[1]["step_ms"] for run in runs]}
-            rows.append(row)
-            print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}, max_staleness "
-                  f"{max_staleness}), end probability {probability:<6}: {row['seconds']:5.2f} s a request, "
-                  f"{row['decode_steps']:6.0f} decode steps, "
-                  f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
-                  f"{row['trained_rows']:.0f} rows trained and {row['carried_rows']:.0f} carried a request; "
-                  f"seconds of each request {row['request_seconds']}", flush=True)
-            row["time_spent"] = _time_spent([run[0] for run in runs], [run[1] for run in runs])
+            for kv in kv_modes[:1] if probability == 0 else kv_modes:   # full length: no row is left
+                rows.append(_partial_row(engine, batch, prompt, new, probability, samples, requests, max_staleness,
+                                         request_groups, kv, fill))
     finally:
         hook.remove()
     _below_full_length(rows, "partial, ")
     return rows
+
+
+def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, samples: int, requests: int,
+                 max_staleness: int, request_groups: int, kv: str, fill: int) -> dict:
+    groups = batch // samples
+    runs = [(seconds, dict(engine.last_stats), len(rollout) - len(carried))
+            for version, rollout, carried, seconds in partial_requests(
+                engine, lambda version, draws: request(len(draws), prompt, new, seed=version).prompt_ids,
+                groups, samples, new, max_staleness, request_groups, fill + requests, keep_kv=kv == "keep")
+            if version >= fill]
+    seconds = sum(run[0] for run in runs)
+    row = {"end_probability": probability, "kv": kv, "batch": batch, "samples_per_prompt": samples,
+           "max_new_tokens": new, "max_staleness": max_staleness, "request_groups": request_groups,
+           "requests": requests,
+           "seconds": seconds / requests,
+           "useful_tokens_per_second": sum(run[1]["tokens"] for run in runs) / seconds,
+           "slot_use": statistics.mean(run[1]["slot_use"] for run in runs),
+           "trained_rows": statistics.mean(run[2] for run in runs),
+           "carried_rows": statistics.mean(run[1]["carried_out"] for run in runs),
+           "continued_rows": statistics.mean(run[1]["continued"] for run in runs),
+           "decode_steps": statistics.mean(run[1]["decode_steps"] for run in runs),
+           "request_seconds": [round(run[0], 3) for run in runs],
+           "step_ms": [run[1]["step_ms"] for run in runs]}
+    print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}, max_staleness "
+          f"{max_staleness}, carried rows: {kv}), end probability {probability:<6}: {row['seconds']:5.2f} s a "
+          f"request, {row['decode_steps']:6.0f} decode steps, "
+          f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
+          f"{row['trained_rows']:.0f} rows trained, {row['carried_rows']:.0f} carried and "
+          f"{row['continued_rows']:.0f} decoded on in their slots a request; "
+          f"seconds of each request {row['request_seconds']}", flush=True)
+    row["time_spent"] = _time_spent([run[0] for run in runs], [run[1] for run in runs])
+    return row
 
 
 def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> None:
@@ -240,6 +253,9 @@ def main(argv=None) -> int:
                         help="partial rollouts: a request holds this many times a step's groups")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="partial rollouts: versions a row may span (1: a carried row ends in the next request)")
+    parser.add_argument("--kv", nargs="+", choices=["prefill", "keep"], default=["prefill", "keep"],
+                        help="partial rollouts: a carried row is prefilled again, or (keep) a row still in its "
+                             "slot decodes on there (train.partial_keep_kv); each is timed")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     args = parser.parse_args(argv)
@@ -249,7 +265,7 @@ def main(argv=None) -> int:
         rows = [row for batch in args.batches
                 for row in bench_partial(model, batch, args.prompt, args.new_tokens, args.long_tail,
                                          args.samples_per_prompt, args.partial, args.max_staleness,
-                                         args.request_groups)]
+                                         args.request_groups, args.kv)]
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0

@@ -121,10 +121,11 @@ def padded_rows(prompt_lengths: list[int], response_lengths: list[int], vocab: i
 
 
 def partial_requests(engine, draw_prompts, groups: int, samples: int, new: int, max_staleness: int,
-                     request_groups: int, count: int):
+                     request_groups: int, count: int, keep_kv: bool = False):
     """`count` consecutive requests as train.partial_rollouts makes them: each holds the rows
     the one before carried, then new groups (`draw_prompts(version, draws)`: a prompt for each
-    draw number), and ends once `groups` groups are complete. Yields (version, rollout, the
+    draw number), and ends once `groups` groups are complete (`keep_kv`: as with
+    train.partial_keep_kv, rows still in a slot go on there). Yields (version, rollout, the
     rows it carries, its seconds, the split into trained and carried rows included)."""
     import time
 
@@ -140,7 +141,7 @@ def partial_requests(engine, draw_prompts, groups: int, samples: int, new: int, 
         drawn = draws.stop
         request = GenerationRequest(draw_prompts(version, draws), list(draws), samples, new, 1.0, version,
                                     carried=carried, complete_groups=groups,
-                                    finish_born_before=finish_born_before(version, max_staleness))
+                                    finish_born_before=finish_born_before(version, max_staleness), keep_kv=keep_kv)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()

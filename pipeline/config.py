@@ -168,6 +168,12 @@ class TrainConfig:
     # the age of a row's oldest token when it is trained on.
     partial_rollouts: bool = False
     partial_request_groups: int = 2       # a request holds this many times prompts_per_step groups
+    # True: a carried row still in its decode slot decodes on from the keys and values there,
+    # computed by the weights that generated it (its new tokens' behaviour logprobs are of
+    # exactly that sampling), instead of having its prompt and tokens prefilled again with
+    # the new weights. Faster; but a resumed run, or a row that moves to another rollout
+    # worker, is prefilled again, so a resumed run no longer repeats the straight one exactly.
+    partial_keep_kv: bool = False
     overlong_filter: bool = False         # DAPO: responses cut at max_new_tokens leave the loss
 
     def __post_init__(self):
@@ -270,6 +276,9 @@ class TrainConfig:
             "partial_rollouts": (not self.partial_rollouts or (self.max_staleness >= 1 and not self.filter_groups),
                                  "set max_staleness: 1 or more with it (the versions a carried row's tokens may "
                                  "lag), and leave filter_groups off"),
+            "partial_keep_kv": (not self.partial_keep_kv or self.partial_rollouts,
+                                "it applies to partial rollouts only: set partial_rollouts: true with it, or leave "
+                                "it out"),
             "partial_request_groups": (1 <= self.partial_request_groups <= 16,
                                        "use 1 to 16 times prompts_per_step groups a request, e.g. 2"),
         }

@@ -74,7 +74,8 @@ class InFlight:
                 ("the next batch generates during the update" if self.ahead else
                  "batches generate after the update (the rollout shares the actor's GPU)" if shares_gpu else
                  "batches generate after the update (max_staleness 1)")
-                + f"; a carried row has {train_config.max_staleness - self.ahead} more step(s) to end")
+                + f"; a carried row has {train_config.max_staleness - self.ahead} more step(s) to end"
+                + ("; rows still decoding keep their keys and values" if train_config.partial_keep_kv else ""))
         else:
             self.ahead = train_config.max_staleness
 
@@ -165,7 +166,8 @@ class InFlight:
                 request = dataclasses.replace(
                     request, carried=carried[shard],
                     complete_groups=len(range(tc.prompts_per_step)[shard::n_shards]),
-                    finish_born_before=partial.finish_born_before(batch.version, tc.max_staleness, self.ahead))
+                    finish_born_before=partial.finish_born_before(batch.version, tc.max_staleness, self.ahead),
+                    keep_kv=tc.partial_keep_kv)
             shard_tag = f"{tag}-{shard}"
             generated = fleet.submit("rollout", rollout.generate, request, weights, tag=shard_tag)
             if carried is not None:

@@ -53,6 +53,10 @@ class GenerationRequest:
     carried: tuple[CarriedRow, ...] = ()
     complete_groups: int = 0
     finish_born_before: int = 0
+    # True (train.partial_keep_kv, the cuda_graph engine): the rows this request leaves live
+    # in its slots stay there, and a carried row the last such request left there decodes on
+    # from its keys and values instead of being prefilled again.
+    keep_kv: bool = False
 
     @property
     def partial(self) -> bool:

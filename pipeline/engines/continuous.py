@@ -19,19 +19,24 @@ behind their prompts and they continue from there. At a sync point where `comple
 groups have every sample finished (and every carried row that must end this time has), the
 request ends: the slots never decode a tail, and what is unfinished goes to the next request.
 A group with a row that could not be carried again (max_staleness) must complete first.
+A row still live in a slot when its request ends stays there (HeldRows): the next request
+on the same engine finds it by content among its carried rows and decodes on from the keys
+and values already in the slot, under the new weights, instead of prefilling its prompt
+and tokens again (a request with `keep_kv`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 
 import torch
 
 from pipeline.engines.hf import left_pad, stop_ids_of
 from pipeline.engines.sampling import sample_tokens, stop_string_end
 from pipeline.engines.slots import SlotCache
-from pipeline.records import GenerationRequest
+from pipeline.records import CarriedRow, GenerationRequest
 
 # Decode steps between two looks at the device (each is a device-to-host sync): 8 steps of
 # overshoot after a sequence ends cost less than a sync every step.
@@ -70,6 +75,29 @@ def prefill_passes(lengths: list[int], bucket: int, ring: int, budget: int) -> l
     return passes
 
 
+def row_key(group_id: int, prompt_ids, response_ids) -> tuple:
+    """What identifies a carried row between two requests: its group and its tokens."""
+    return group_id, tuple(prompt_ids), tuple(response_ids)
+
+
+@dataclass
+class HeldRows:
+    """The rows a partial request left live in its decode slots, for the next request.
+
+    Their keys and values (computed by the weights that generated them) are in `cache`'s
+    slots; `state` holds each slot's decode state (tokens so far, next rotary position,
+    ring mask, the sampled token not yet fed) and `column` the ring column the next step
+    writes. A request continues a row only while nothing else used the cache since."""
+
+    cache: SlotCache
+    column: int
+    slots: dict[tuple, int]           # row_key -> the slot it is in
+    state: dict[str, torch.Tensor]    # name -> per-slot tensor (generated, position, mask, token)
+
+    def slot_of(self, row: CarriedRow) -> int | None:
+        return None if row.ended else self.slots.get(row_key(row.group_id, row.prompt_ids, row.response_ids))
+
+
 class SlotRun:
     """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
 
@@ -80,9 +108,11 @@ class SlotRun:
     """
 
     def __init__(self, engine, prompts: list[list[int]], width: int, request: GenerationRequest, slots: int,
-                 groups: list[int] | None = None):
+                 groups: list[int] | None = None, held: HeldRows | None = None):
         """`prompts`: one per sequence, the request's carried rows first (`groups`: their
-        group ids, needed with carried rows or complete_groups)."""
+        group ids, needed with carried rows or complete_groups). `held`: the rows the last
+        request left in the slots; those among the carried rows decode on from there.
+        Afterwards `self.held` is what this request leaves (partial requests only)."""
         self.engine, self.prompts, self.width, self.request = engine, prompts, width, request
         self.max_new = request.max_new_tokens
         self.filters = (request.top_k, request.top_p, request.min_p)
@@ -107,9 +137,11 @@ class SlotRun:
         # padding and without, device time from CUDA events, which need no sync) and the host
         # work at sync points, during which the device waits.
         self._prefill_events: list = []
-        self.stats.update(prefill_passes=0, prefill_tokens=0, prefill_real_tokens=0, host_ms=0.0)
+        self.stats.update(prefill_passes=0, prefill_tokens=0, prefill_real_tokens=0, host_ms=0.0, continued=0)
+        self.groups = groups
+        self.held: HeldRows | None = None
         self._carry_in(request.carried, groups)
-        self._start(slots)
+        self._start(slots, held)
 
     def _carry_in(self, carried, groups: list[int] | None) -> None:
         """Rows carried from the request before hold their tokens so far; a row that ended
@@ -140,7 +172,7 @@ class SlotRun:
             self.group_sizes = torch.bincount(self.group_index)
         self.unfinished = torch.zeros(count, dtype=torch.bool)
 
-    def _start(self, slots: int) -> None:
+    def _start(self, slots: int, held: HeldRows | None) -> None:
         self.cache = self.engine._cache(slots, self.length)
         device = self.device
         self.sequence = torch.full((slots,), self.sink, dtype=torch.long, device=device)  # what each slot holds
@@ -150,7 +182,34 @@ class SlotRun:
         self.mask = torch.zeros((slots, 1, 1, self.length), dtype=torch.bool, device=device)
         self.token = torch.zeros(slots, dtype=torch.long, device=device)                # sampled, not yet recorded
         self.logprob = torch.zeros(slots, dtype=torch.float32, device=device)
-        self._refill(list(range(slots)))
+        continued = self._continue_held(held) if held is not None and self.request.keep_kv else []
+        self._refill([slot for slot in range(slots) if slot not in set(continued)])
+
+    def _continue_held(self, held: HeldRows) -> list[int]:
+        """Put the carried rows the last request left in its slots back into those slots, with
+        their decode state, and start decoding at its ring column. Only when the slots are
+        the same memory (this request's cache starts where that one did, and is as large)
+        and the ring as long: otherwise they are prefilled like any carried row. Returns the
+        slots taken."""
+        same_memory = held.cache.keys[0].data_ptr() == self.cache.keys[0].data_ptr()
+        if not same_memory or held.cache.length != self.length or held.cache.slots > self.cache.slots:
+            return []
+        pairs = [(sequence, slot) for sequence, row in enumerate(self.request.carried)
+                 if (slot := held.slot_of(row)) is not None]
+        self.column = held.column
+        if not pairs:
+            return []
+        sequences, slots = (list(part) for part in zip(*pairs))
+        rows = torch.tensor(slots, device=self.device)
+        for name, values in held.state.items():
+            getattr(self, name)[rows] = values[rows]
+        self.sequence[rows] = torch.tensor(sequences, device=self.device)
+        self.active[rows] = True
+        self.started[sequences] = True
+        waiting = set(sequences)
+        self.queue = deque(i for i in self.queue if i not in waiting)
+        self.stats["continued"] = len(sequences)
+        return slots
 
     @torch.no_grad()   # decode steps and the slot caches' in-place writes record no autograd graph
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +243,21 @@ class SlotRun:
         self.stats["carried_out"] = int(self.unfinished.sum())
         self.stats["prefill_ms"] = self._prefill_ms()
         self.stats["host_ms"] = round(self.stats["host_ms"], 3)
+        if self.request.complete_groups and self.request.keep_kv:
+            self.held = self._hold(lengths)
         width = max(1, int(lengths.max()))
         return self.tokens[:self.sink, :width].cpu(), self.logprobs[:self.sink, :width].cpu()
+
+    def _hold(self, lengths: torch.Tensor) -> HeldRows:
+        """The rows live in a slot now, keyed as the next request's carried rows will be."""
+        live = (self.active & (self.sequence < self.sink)).nonzero().flatten()
+        sequences = self.sequence[live].tolist()
+        width = int(lengths[sequences].max()) if sequences else 0
+        tokens = self.tokens[self.sequence[live], :width].cpu().tolist()
+        slots = {row_key(self.groups[i], self.prompts[i], row[:int(lengths[i])]): slot
+                 for i, row, slot in zip(sequences, tokens, live.tolist())}
+        state = {name: getattr(self, name) for name in ("generated", "position", "mask", "token")}
+        return HeldRows(self.cache, self.column, slots, state)
 
     def _record(self) -> None:
         """Write each live slot's token of the last decode step into its sequence's row; end

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
-from pipeline.engines.continuous import SlotRun, bucket_batch, bucket_length
+from pipeline.engines.continuous import HeldRows, SlotRun, bucket_batch, bucket_length
 from pipeline.engines.hf import (
     PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
 )
@@ -87,6 +87,7 @@ class CudaGraphEngine:
         self._caches: dict[tuple[int, int], SlotCache] = {}   # (slots, length) -> its cache
         self.batch = self.max_batch_size     # decode slots of the current request
         self._planned: int | None = None    # the last plan, so a change is reported once
+        self._held: HeldRows | None = None  # the rows the last partial request left in the slots
         self.last_stats: dict = {}
         if self.compiled:
             # One graph per (slots, ring length) pair and temperature: shrinking slots and
@@ -159,9 +160,11 @@ class CudaGraphEngine:
         """Every prompt's response through the slots -> (N, T) responses (pad after a stop
         id; a stop string may be overshot by up to continuous.EOS_CHECK_EVERY tokens, cut by
         assemble_rollout) and their logprobs, on the CPU; for a partial rollout, its rows."""
-        run = SlotRun(self, prompts, width, request, min(self.batch, bucket_batch(len(prompts))), groups)
+        # The held rows are this request's to continue or lose: any request writes the slots.
+        held, self._held = self._held, None
+        run = SlotRun(self, prompts, width, request, min(self.batch, bucket_batch(len(prompts))), groups, held)
         tokens, logprobs = run.run()
-        self.last_stats = run.stats
+        self.last_stats, self._held = run.stats, run.held
         if not request.partial:
             return tokens, logprobs, None
         born = torch.where(run.started, policy_version, -1)   # a row's first token is of this version...

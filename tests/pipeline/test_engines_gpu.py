@@ -144,7 +144,8 @@ def test_partial_rollouts_under_captured_graphs_continue_rows_and_fill_more_slot
     complete, the rest carried into the next (pipeline/partial.py, max_staleness 2): carried
     rows continue under the same graphs, their logprobs stay as close to the actor's, no row
     is carried past its bound, and the slots hold live rows more of the time than when a
-    request decodes its tail."""
+    request decodes its tail. From the fourth request on rows still in a slot stay there
+    (keep_kv), and the next request decodes them on without a prefill."""
     import torch._dynamo.utils
 
     from pipeline.partial import carried_part, finish_born_before, new_groups, trained_part
@@ -160,7 +161,7 @@ def test_partial_rollouts_under_captured_graphs_continue_rows_and_fill_more_slot
             fresh = _request(batch=count, new=256, seed=10 + version)
             request = GenerationRequest(fresh.prompt_ids, list(range(drawn, drawn + count)), 2, 256, 1.0, version,
                                         carried=carried, complete_groups=32,
-                                        finish_born_before=finish_born_before(version, 2))
+                                        finish_born_before=finish_born_before(version, 2), keep_kv=version >= 3)
             drawn += count
             if version == 1:
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -173,6 +174,7 @@ def test_partial_rollouts_under_captured_graphs_continue_rows_and_fill_more_slot
             carried = carried_part(rollout, 32, request.finish_born_before)
             assert all(row.born is None or row.born >= request.finish_born_before for row in carried)
             uses.append(engine.last_stats["slot_use"])
+            assert (engine.last_stats["continued"] > 0) == (version >= 4), (version, engine.last_stats["continued"])
     finally:
         hook.remove()
     print(f"partial rollouts: slot use {[round(u, 2) for u in uses]} against {whole_use:.2f} for a request that "

@@ -4,6 +4,7 @@ step trains on and what it carries (pipeline/partial.py)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -130,6 +131,66 @@ def test_a_request_ends_at_its_complete_groups_and_the_next_one_continues_the_re
     # The request's own tokens: what the carried rows came with is not counted again.
     own = int(continued.response_mask.sum()) - sum(len(r.response_ids) for r in carried)
     assert stats["tokens"] == own and stats["carried_out"] == int(continued.unfinished.sum())
+
+
+def _mixed_weights_logprobs(old, new, prompt: list[int], response: list[int], prior: int) -> torch.Tensor:
+    """Logprobs of response[prior:] when the keys and values of prompt + response[:prior - 1]
+    come from `old` and every later token goes through `new` (transformers' own cache)."""
+    with torch.no_grad():
+        past = old(input_ids=torch.tensor([prompt + response[:prior - 1]]), use_cache=True).past_key_values
+        logits = new(input_ids=torch.tensor([response[prior - 1:-1]]), past_key_values=past, use_cache=True).logits
+    return logits[0].float().log_softmax(-1).gather(-1, torch.tensor(response[prior:])[:, None])[:, 0]
+
+
+def test_a_carried_row_left_in_its_slot_decodes_on_from_its_keys_and_values(model_and_tokenizer):
+    old, tokenizer = model_and_tokenizer
+    model = copy.deepcopy(old)   # the engine's: it gets new weights below
+    eos = tokenizer.eos_token_id
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu", max_batch_size=8,
+                             prompt_bucket=16)
+    first = GenerationRequest(_prompts(tokenizer, 0, 16), list(range(16)), 4, 24, 1.0, seed=5, complete_groups=4,
+                              keep_kv=True)
+    hooks = [_eos_bias(m, eos, 1.0) for m in (old, model)]
+    try:
+        carried = carried_part(engine.generate(first, policy_version=0), 4, 0)
+        live = [i for i, row in enumerate(carried) if row.response_ids and not row.ended]
+        assert live
+        # New weights between the two requests, as after an update.
+        generator = torch.Generator().manual_seed(0)
+        engine.load_state_dict({name: value + 0.05 * torch.randn(value.shape, generator=generator)
+                                for name, value in model.state_dict().items()})
+        second = GenerationRequest(_prompts(tokenizer, 16, 2), [16, 17], 4, 24, 1.0, seed=6, carried=carried,
+                                   complete_groups=2, finish_born_before=finish_born_before(1, 1), keep_kv=True)
+        continued, widths = _generate_recording_prefills(engine, second, 1)
+        # Every row that was live in a slot decodes on there: no prefill holds more than a
+        # prompt (new ones, and carried rows that never started).
+        assert engine.last_stats["continued"] == len(live)
+        assert widths and all(width == 16 for _, width in widths), widths
+        for i in live:
+            prompt, response = continued.token_ids(i)
+            prior = len(carried[i].response_ids)
+            assert response[:prior] == carried[i].response_ids and len(response) > prior
+            behaviour = continued.behavior_logprobs[i, prior:len(response)]
+            # The new tokens were sampled by the new weights over keys and values of the old
+            # ones, and their behaviour logprobs say exactly that.
+            torch.testing.assert_close(behaviour, _mixed_weights_logprobs(old, model, prompt, response, prior),
+                                       atol=2e-5, rtol=0)
+        # Any other request in between writes the slots: the held rows are prefilled again.
+        engine.generate(GenerationRequest(_prompts(tokenizer, 30, 2), [30, 31], 4, 8, 1.0, seed=7), 1)
+        third = GenerationRequest(_prompts(tokenizer, 18, 2), [18, 19], 4, 24, 1.0, seed=8,
+                                  carried=carried_part(continued, 2, 1), complete_groups=2,
+                                  finish_born_before=finish_born_before(2, 1), keep_kv=True)
+        rollout = engine.generate(third, 2)
+        assert engine.last_stats["continued"] == 0
+        expected = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+                                     1.0) * rollout.response_mask
+        new = rollout.response_mask.bool().clone()
+        for i, row in enumerate(third.carried):
+            new[i, :len(row.response_ids)] = False
+        torch.testing.assert_close(rollout.behavior_logprobs[new], expected[new], atol=2e-5, rtol=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _hand_rollout() -> Rollout:
@@ -269,6 +330,9 @@ def test_partial_rollouts_are_refused_with_an_engine_that_cannot_cut_a_request(s
     with pytest.raises(ValueError, match=r"train.partial_rollouts: True is not allowed. Fix: set max_staleness: 1"):
         HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts,
                       **{**PARTIAL, "max_staleness": 0})
+    with pytest.raises(ValueError, match=r"train.partial_keep_kv: True is not allowed. Fix: it applies to partial"):
+        HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts,
+                      **{**PARTIAL, "partial_rollouts": False, "partial_keep_kv": True})
     with pytest.raises(ValueError, match=r"train.partial_request_groups: 0 is not allowed. Fix: use 1 to 16"):
         HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts,
                       **{**PARTIAL, "partial_request_groups": 0})
@@ -306,11 +370,17 @@ def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update
     assert [round(r.tokens / r.response_length) for r in again] == [16, 16]
 
 
+def _rows_continued(dask_worker=None) -> int:
+    """The carried rows the rollout worker's last request decoded on in their slots."""
+    return dask_worker.plugins["dask-rl-rollout"].state.engine.last_stats.get("continued", 0)
+
+
 def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
         shared_cluster, shared_config, tiny_model, tmp_path):
     """examples/partial_cpu.yaml's training section, on the shared cluster's CPU workers: its
     128 slots hold every row of a request, so the extra groups all start and every step
-    from the third trains rows 2 versions old (the README says so)."""
+    from the third trains rows 2 versions old (the README says so). With partial_keep_kv
+    the rows still decoding when a request ends go on in their slots in the next one."""
     from pathlib import Path
 
     from pipeline.config import load_run_file
@@ -324,5 +394,8 @@ def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
                        show_progress=False, **{**train, "steps": 4}) as trainer:
         assert trainer.batches.ahead == 1
         records = trainer.train()
+        continued = shared_cluster.client.run(_rows_continued,
+                                              workers=[w["address"] for w in shared_cluster.workers_of("rollout")])
+    assert run.train.partial_keep_kv and any(continued.values()), continued
     assert [r.staleness for r in records] == [0.0, 1.0, 2.0, 2.0]
     assert all(r.carried_rows > 0 for r in records)
