@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import end_with_probability, mean_geometric_length, partial_requests, save_qwen2_05b  # noqa: E402
 
+from pipeline.engines import continuous  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
@@ -105,7 +106,7 @@ def _below_full_length(rows: list[dict], what: str) -> None:
     """Each long-tail row's useful tokens/s against the first row's (full length)."""
     full = rows[0]["useful_tokens_per_second"]
     for row in rows[1:]:
-        kv = f" ({row['kv']})" if "kv" in row else ""
+        kv = f" ({row['kv']}, refill at 1/{row['refill_share']})" if "kv" in row else ""
         print(f"  {what}end probability {row['end_probability']}{kv}: {full / row['useful_tokens_per_second']:.2f}x "
               f"below the full-length rate", flush=True)
 
@@ -152,16 +153,18 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
 
 
 def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[float], samples: int,
-                  requests: int, max_staleness: int, request_groups: int, kv_modes: list[str], fill: int = 2) -> list:
+                  requests: int, max_staleness: int, request_groups: int, kv_modes: list[str],
+                  refill_shares: list[int], fill: int = 2) -> list:
     """Useful tokens/s of the cuda_graph engine over `requests` consecutive partial
     rollouts (after `fill` that build the carry), at full length and at each end probability,
-    once for each of `kv_modes`: "prefill" (a carried row is prefilled again) and "keep" (a
-    row still in its slot decodes on there, train.partial_keep_kv)."""
+    once for each of `kv_modes`, "prefill" (a carried row is prefilled again) and "keep" (a
+    row still in its slot decodes on there, train.partial_keep_kv), and each of
+    `refill_shares` (continuous.REFILL_SHARE: free slots wait for 1/share of the slots)."""
     device = next(model.parameters()).device
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=str(device), max_batch_size=batch)
     end = torch.zeros((), device=device)   # hooked once, before anything compiles (see bench_long_tail)
     hook = end_with_probability(model, 1, end)
-    groups, rows = batch // samples, []
+    groups, rows, default_share = batch // samples, [], continuous.REFILL_SHARE
     try:
         for probability in [0.0, *probabilities]:
             end.fill_(probability)
@@ -169,10 +172,13 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
             # 8): a partial request may reach a smaller one only in a timed request.
             engine.generate(request(batch, prompt, new, seed=2), 0)
             for kv in kv_modes[:1] if probability == 0 else kv_modes:   # full length: no row is left
-                rows.append(_partial_row(engine, batch, prompt, new, probability, samples, requests, max_staleness,
-                                         request_groups, kv, fill))
+                for share in refill_shares[:1] if probability == 0 else refill_shares:
+                    continuous.REFILL_SHARE = share
+                    rows.append(_partial_row(engine, batch, prompt, new, probability, samples, requests,
+                                             max_staleness, request_groups, kv, fill))
     finally:
         hook.remove()
+        continuous.REFILL_SHARE = default_share
     _below_full_length(rows, "partial, ")
     return rows
 
@@ -186,7 +192,7 @@ def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, 
                 groups, samples, new, max_staleness, request_groups, fill + requests, keep_kv=kv == "keep")
             if version >= fill]
     seconds = sum(run[0] for run in runs)
-    row = {"end_probability": probability, "kv": kv, "batch": batch, "samples_per_prompt": samples,
+    row = {"end_probability": probability, "kv": kv, "refill_share": continuous.REFILL_SHARE, "batch": batch, "samples_per_prompt": samples,
            "max_new_tokens": new, "max_staleness": max_staleness, "request_groups": request_groups,
            "requests": requests,
            "seconds": seconds / requests,
@@ -199,7 +205,7 @@ def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, 
            "request_seconds": [round(run[0], 3) for run in runs],
            "step_ms": [run[1]["step_ms"] for run in runs]}
     print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}, max_staleness "
-          f"{max_staleness}, carried rows: {kv}), end probability {probability:<6}: {row['seconds']:5.2f} s a "
+          f"{max_staleness}, carried rows: {kv}, refill at 1/{continuous.REFILL_SHARE}), end probability {probability:<6}: {row['seconds']:5.2f} s a "
           f"request, {row['decode_steps']:6.0f} decode steps, "
           f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
           f"{row['trained_rows']:.0f} rows trained, {row['carried_rows']:.0f} carried and "
@@ -256,6 +262,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kv", nargs="+", choices=["prefill", "keep"], default=["prefill", "keep"],
                         help="partial rollouts: a carried row is prefilled again, or (keep) a row still in its "
                              "slot decodes on there (train.partial_keep_kv); each is timed")
+    parser.add_argument("--refill-share", type=int, nargs="+", default=[continuous.REFILL_SHARE],
+                        help="partial rollouts: free slots are refilled once 1/N of the slots are free; each N timed")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     args = parser.parse_args(argv)
@@ -265,7 +273,7 @@ def main(argv=None) -> int:
         rows = [row for batch in args.batches
                 for row in bench_partial(model, batch, args.prompt, args.new_tokens, args.long_tail,
                                          args.samples_per_prompt, args.partial, args.max_staleness,
-                                         args.request_groups, args.kv)]
+                                         args.request_groups, args.kv, args.refill_share)]
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0
