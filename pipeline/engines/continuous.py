@@ -91,11 +91,16 @@ class HeldRows:
 
     cache: SlotCache
     column: int
-    slots: dict[tuple, int]           # row_key -> the slot it is in
+    slots: dict[tuple, list[int]]     # row_key -> the slots holding a row of that content
     state: dict[str, torch.Tensor]    # name -> per-slot tensor (generated, position, mask, token)
 
-    def slot_of(self, row: CarriedRow) -> int | None:
-        return None if row.ended else self.slots.get(row_key(row.group_id, row.prompt_ids, row.response_ids))
+    def take(self, row: CarriedRow) -> int | None:
+        """The slot `row` goes on in, or None. Two samples of a group may hold the same
+        tokens so far: each takes one of their slots (with the same content they are alike)."""
+        if row.ended:
+            return None
+        slots = self.slots.get(row_key(row.group_id, row.prompt_ids, row.response_ids))
+        return slots.pop() if slots else None
 
 
 class SlotRun:
@@ -195,7 +200,7 @@ class SlotRun:
         if not same_memory or held.cache.length != self.length or held.cache.slots > self.cache.slots:
             return []
         pairs = [(sequence, slot) for sequence, row in enumerate(self.request.carried)
-                 if (slot := held.slot_of(row)) is not None]
+                 if (slot := held.take(row)) is not None]
         self.column = held.column
         if not pairs:
             return []
@@ -254,8 +259,9 @@ class SlotRun:
         sequences = self.sequence[live].tolist()
         width = int(lengths[sequences].max()) if sequences else 0
         tokens = self.tokens[self.sequence[live], :width].cpu().tolist()
-        slots = {row_key(self.groups[i], self.prompts[i], row[:int(lengths[i])]): slot
-                 for i, row, slot in zip(sequences, tokens, live.tolist())}
+        slots: dict[tuple, list[int]] = {}
+        for i, row, slot in zip(sequences, tokens, live.tolist()):
+            slots.setdefault(row_key(self.groups[i], self.prompts[i], row[:int(lengths[i])]), []).append(slot)
         state = {name: getattr(self, name) for name in ("generated", "position", "mask", "token")}
         return HeldRows(self.cache, self.column, slots, state)
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from pipeline.engines.continuous import prefill_passes
+from pipeline.engines.continuous import HeldRows, prefill_passes, row_key
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
@@ -191,6 +191,17 @@ def test_a_carried_row_left_in_its_slot_decodes_on_from_its_keys_and_values(mode
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def test_held_rows_of_the_same_content_each_go_on_in_a_slot_of_their_own():
+    # Two samples of group 3 both at tokens [5, 6] (slots 1 and 4), one of group 2 at [5].
+    held = HeldRows(cache=None, column=0, slots={row_key(3, [9], [5, 6]): [1, 4], row_key(2, [9], [5]): [0]},
+                    state={})
+    row = CarriedRow(prompt_ids=[9], response_ids=[5, 6], logprobs=[-1.0, -1.0], group_id=3, born=0)
+    assert sorted([held.take(row), held.take(row)]) == [1, 4] and held.take(row) is None
+    assert held.take(dataclasses.replace(row, group_id=2, response_ids=[5], ended=True)) is None   # not live
+    assert held.take(dataclasses.replace(row, group_id=2, response_ids=[5], logprobs=[-1.0])) == 0
+    assert held.take(dataclasses.replace(row, response_ids=[5, 7])) is None
 
 
 def _hand_rollout() -> Rollout:
