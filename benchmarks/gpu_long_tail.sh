@@ -36,7 +36,8 @@ for p in ${PARTS:-tests engine update}; do
                      --long-tail 0.004 0.0075 --partial 6 --request-groups 3 --max-staleness ${MAX_STALENESS:-2} \
                      --kv ${KV:-prefill keep} --refill-share ${REFILL_SHARES:-16} --json "$OUT/partial.json" ;;
         grpo256partial) part grpo256partial ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
-                     --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} --request-groups 3 --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
+                     --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
+                     --request-groups 3 --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_partial.json" ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \

@@ -192,7 +192,8 @@ def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, 
                 groups, samples, new, max_staleness, request_groups, fill + requests, keep_kv=kv == "keep")
             if version >= fill]
     seconds = sum(run[0] for run in runs)
-    row = {"end_probability": probability, "kv": kv, "refill_share": continuous.REFILL_SHARE, "batch": batch, "samples_per_prompt": samples,
+    row = {"end_probability": probability, "kv": kv, "refill_share": continuous.REFILL_SHARE, "batch": batch,
+           "samples_per_prompt": samples,
            "max_new_tokens": new, "max_staleness": max_staleness, "request_groups": request_groups,
            "requests": requests,
            "seconds": seconds / requests,
@@ -205,7 +206,8 @@ def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, 
            "request_seconds": [round(run[0], 3) for run in runs],
            "step_ms": [run[1]["step_ms"] for run in runs]}
     print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}, max_staleness "
-          f"{max_staleness}, carried rows: {kv}, refill at 1/{continuous.REFILL_SHARE}), end probability {probability:<6}: {row['seconds']:5.2f} s a "
+          f"{max_staleness}, carried rows: {kv}, refill at 1/{continuous.REFILL_SHARE}), end probability "
+          f"{probability:<6}: {row['seconds']:5.2f} s a "
           f"request, {row['decode_steps']:6.0f} decode steps, "
           f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
           f"{row['trained_rows']:.0f} rows trained, {row['carried_rows']:.0f} carried and "

@@ -106,8 +106,9 @@ class HeldRows:
 class SlotRun:
     """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
 
-    `engine` provides: model, device, pad_id, eos_id, decode (ids -> text), compiled, prompt_bucket,
-    check_every (decode steps between two looks at the device; None: the device's default),
+    `engine` provides: model, device, pad_id, eos_id, decode (ids -> text), compiled,
+    prompt_bucket, check_every (decode steps between two looks at the device; None: the
+    device's default),
     `_decode(token, position_ids, column, mask, cache, temperature, top_k, top_p, min_p)`
     (one decode step, maybe captured) and `_cache(slots, length)` (a SlotCache).
     """
@@ -187,8 +188,8 @@ class SlotRun:
         self.mask = torch.zeros((slots, 1, 1, self.length), dtype=torch.bool, device=device)
         self.token = torch.zeros(slots, dtype=torch.long, device=device)                # sampled, not yet recorded
         self.logprob = torch.zeros(slots, dtype=torch.float32, device=device)
-        continued = self._continue_held(held) if held is not None and self.request.keep_kv else []
-        self._refill([slot for slot in range(slots) if slot not in set(continued)])
+        continued = set(self._continue_held(held) if held is not None and self.request.keep_kv else ())
+        self._refill([slot for slot in range(slots) if slot not in continued])
 
     def _continue_held(self, held: HeldRows) -> list[int]:
         """Put the carried rows the last request left in its slots back into those slots, with
