@@ -172,7 +172,9 @@ class TrainConfig:
     # computed by the weights that generated it (its new tokens' behaviour logprobs are of
     # exactly that sampling), instead of having its prompt and tokens prefilled again with
     # the new weights. Faster; but a resumed run, or a row that moves to another rollout
-    # worker, is prefilled again, so a resumed run no longer repeats the straight one exactly.
+    # worker, is prefilled again, so a resumed run no longer repeats the straight one exactly,
+    # and a rollout regenerated after its worker died can differ from the one it replaces
+    # (a group is then trained at most once: inflight.Carry).
     partial_keep_kv: bool = False
     overlong_filter: bool = False         # DAPO: responses cut at max_new_tokens leave the loss
 

@@ -20,7 +20,7 @@ from pipeline import events
 from pipeline.config import TrainConfig
 from pipeline import partial
 from pipeline.data import PromptStream
-from pipeline.records import CarriedRow, GenerationRequest, RewardInputs, join_scores
+from pipeline.records import CarriedRow, GenerationRequest, RewardInputs, Rollout, Scores, join_scores
 from pipeline.screening import informative_groups
 from pipeline.roles import critic, reference, reward, rollout
 
@@ -29,10 +29,17 @@ logger = logging.getLogger("dask_rl")
 
 @dataclass
 class Carry:
-    """The rows a batch carries on (partial rollouts): futures, one per shard, until read."""
+    """The rows a batch carries on (partial rollouts): futures, one per shard, until read.
+
+    The carry and the batch's trained rows come from the same rollouts, so no group is in
+    both, unless a rollout worker died after one was read and Dask generated the request
+    again for the other: with train.partial_keep_kv that rollout can differ. `trained` (the
+    groups the step took) and `rows` (once read) let whichever is read second leave out the
+    groups of the first, so a group is trained once at most."""
 
     futures: list
     rows: tuple[CarriedRow, ...] | None = None
+    trained: set[int] | None = None
 
 
 @dataclass
@@ -101,7 +108,9 @@ class InFlight:
     def _read(self, carry: Carry) -> tuple[CarriedRow, ...]:
         if carry.rows is None:   # fetched once
             parts = self.fleet.wait("rollout", carry.futures, "the rows partial rollouts carry")
-            carry.rows, carry.futures = tuple(row for part in parts for row in part), []
+            rows = tuple(row for part in parts for row in part)
+            carry.rows, carry.futures = partial.outside(rows, carry.trained or ()), []
+            _warn_trained_twice(len(rows) - len(carry.rows), "left out of the carry")
         return carry.rows
 
     def resume_carried(self) -> tuple[CarriedRow, ...]:
@@ -210,3 +219,23 @@ class InFlight:
         if self._last is not None:
             self.fleet.client.cancel(self._last.futures)
             self._last = None
+
+
+def take_trained(batch: InFlightBatch, data: Rollout, scores: Scores,
+                 per_token: dict[str, torch.Tensor]) -> tuple[Rollout, Scores, dict[str, torch.Tensor]]:
+    """Partial rollouts: the step's rows of `batch`, less any group its carry (if read
+    already) holds; the groups taken are noted, so the carry read later leaves them out."""
+    carried = torch.tensor(sorted({row.group_id for row in batch.carry.rows or ()}), dtype=data.group_ids.dtype)
+    keep = (~torch.isin(data.group_ids, carried)).nonzero().flatten()
+    if 0 < len(keep) < len(data):   # (none left: the step trains them all rather than nothing)
+        _warn_trained_twice(len(data) - len(keep), "left out of the step (the carry holds their groups)")
+        data, scores, per_token = data.select(keep), scores.select(keep), {k: v[keep] for k, v in per_token.items()}
+    batch.carry.trained = set(data.group_ids.tolist())
+    return data, scores, per_token
+
+
+def _warn_trained_twice(rows: int, what: str) -> None:
+    if rows:
+        logger.warning("dask-rl: partial rollouts: a rollout was generated again after its worker was lost and "
+                       "differs from the first (train.partial_keep_kv); %d rows of groups both trained and carried "
+                       "were %s, so each group is trained once", rows, what)

@@ -50,6 +50,12 @@ def carried_part(rollout: Rollout, needed: int, floor: int) -> tuple[CarriedRow,
     return tuple(rows)
 
 
+def outside(carried: tuple[CarriedRow, ...], groups) -> tuple[CarriedRow, ...]:
+    """The carried rows whose group is not among `groups` (group ids)."""
+    groups = set(groups)
+    return tuple(row for row in carried if row.group_id not in groups)
+
+
 def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...], request_groups: int = 2) -> int:
     """Groups a batch draws: a request holds `request_groups` x prompts_per_step groups (the
     carried ones and new ones, train.partial_request_groups), so that its slots stay full

@@ -26,7 +26,7 @@ from pipeline.metrics import PhaseTimer, StepRecord, reward_figures
 from pipeline.models import context_length, load_tokenizer, materialize, stop_token_ids
 from pipeline.outputs import RunOutputs
 from pipeline.recipes import role_recipes
-from pipeline.inflight import InFlight
+from pipeline.inflight import InFlight, take_trained
 from pipeline.records import join_scores, join_shards
 from pipeline.screening import SampleScreen, checked_experience, keep_informative_groups, screen_samples
 from pipeline.update import PolicyUpdate
@@ -198,6 +198,8 @@ class HybridTrainer:
             # Samples with a non-finite reward, logprob or value: dropped or refused (train.reward_errors).
             screen = self._screen()
             rollout_data, scores, per_token, dropped = screen_samples(rollout_data, scores, per_token, screen)
+            if tc.partial_rollouts:   # a group this batch carries on is never trained now as well
+                rollout_data, scores, per_token = take_trained(batch, rollout_data, scores, per_token)
             uninformative = 0
             if tc.filter_groups:  # the first prompts_per_step groups whose rewards differ
                 rollout_data, scores, per_token, uninformative = keep_informative_groups(

@@ -289,14 +289,16 @@ def test_a_worker_killed_at_a_random_moment_costs_no_step(fault_cluster, tiny_mo
 
 
 @pytest.mark.slow  # a worker restart on its own cluster
-@pytest.mark.parametrize("max_staleness", [1, 2])   # 2: the next batch generates during the update
+@pytest.mark.parametrize("max_staleness, keep_kv", [(1, False), (2, False), (2, True)])
 def test_a_rollout_worker_killed_while_partial_rollouts_carry_rows_costs_no_step(fault_cluster, tiny_model, prompts,
-                                                                                   max_staleness):
+                                                                                   max_staleness, keep_kv):
     """The killed worker held a step's carried rows, not yet fetched: Dask computes them again
-    (the same rollout, from the same request and weights), and the run goes on."""
+    (the same rollout, from the same request and weights; with keep_kv the new worker has no
+    rows to continue and prefills them), and the run goes on. max_staleness 2: the next batch
+    generates during the update."""
     killed = _pids(fault_cluster, "rollout")[0]
     partial = dict(algorithm="grpo", samples_per_prompt=4, kl_coef=0.0, max_new_tokens=16, partial_rollouts=True,
-                   max_staleness=max_staleness, stop=["a", "e", "1", "3"])
+                   max_staleness=max_staleness, partial_keep_kv=keep_kv, stop=["a", "e", "1", "3"])
     records, final, _ = _train(fault_cluster, tiny_model, prompts, steps=6, engine="cuda_graph", **partial,
                                fault=lambda t: _kill_during_generation(fault_cluster, killed, after_batch=1))
     assert killed not in _pids(fault_cluster, "rollout")

@@ -193,6 +193,35 @@ def test_a_carried_row_left_in_its_slot_decodes_on_from_its_keys_and_values(mode
             hook.remove()
 
 
+def test_a_group_both_trained_and_carried_after_a_regenerated_rollout_is_trained_once():
+    from pipeline.inflight import InFlightBatch, take_trained
+    from pipeline.partial import outside
+    from pipeline.records import Scores
+
+    rollout = _hand_rollout()   # groups 7, 7, 8, 8, 9, 9
+    scores = Scores(torch.arange(6.0), [], {"r": torch.arange(6.0) * 10})
+    per_token = {"ref_logprobs": torch.arange(18.0).view(6, 3)}
+    row = CarriedRow(prompt_ids=[6, 6], response_ids=[17], logprobs=[-1.0], group_id=8, born=3)
+    # The carry was read first (the next batch continues it) and holds group 8, which this
+    # step's rollout, generated again, has complete: the step leaves group 8 out.
+    batch = InFlightBatch(0, 0, 3, [], [], [], [])
+    batch.carry.rows = (row,)
+    data, kept, tokens = take_trained(batch, rollout, scores, per_token)
+    assert data.group_ids.tolist() == [7, 7, 9, 9] and kept.values.tolist() == [0.0, 1.0, 4.0, 5.0]
+    assert kept.components["r"].tolist() == [0.0, 10.0, 40.0, 50.0]
+    assert tokens["ref_logprobs"][:, 0].tolist() == [0.0, 3.0, 12.0, 15.0]
+    assert batch.carry.trained == {7, 9}
+    # The step read first: it takes every row, and the carry read later leaves out its groups.
+    later = InFlightBatch(1, 0, 3, [], [], [], [])
+    assert len(take_trained(later, rollout, scores, per_token)[0]) == 6 and later.carry.trained == {7, 8, 9}
+    assert outside((row, dataclasses.replace(row, group_id=10)), later.carry.trained) == (
+        dataclasses.replace(row, group_id=10),)
+    # A carry holding every group the step has: the step trains them rather than nothing.
+    every = InFlightBatch(2, 0, 3, [], [], [], [])
+    every.carry.rows = tuple(dataclasses.replace(row, group_id=g) for g in (7, 8, 9))
+    assert len(take_trained(every, rollout, scores, per_token)[0]) == 6
+
+
 def test_held_rows_of_the_same_content_each_go_on_in_a_slot_of_their_own():
     # Two samples of group 3 both at tokens [5, 6] (slots 1 and 4), one of group 2 at [5].
     held = HeldRows(cache=None, column=0, slots={row_key(3, [9], [5, 6]): [1, 4], row_key(2, [9], [5]): [0]},
@@ -391,7 +420,8 @@ def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
     """examples/partial_cpu.yaml's training section, on the shared cluster's CPU workers: its
     128 slots hold every row of a request, so the extra groups all start and every step
     from the third trains rows 2 versions old (the README says so). With partial_keep_kv
-    the rows still decoding when a request ends go on in their slots in the next one."""
+    (added here) the rows still decoding when a request ends go on in their slots in the
+    next one, with the same staleness."""
     from pathlib import Path
 
     from pipeline.config import load_run_file
@@ -402,11 +432,11 @@ def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
     train = {key: value for key, value in dataclasses.asdict(run.train).items() if key != "algorithm"}
     with HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), algorithm=run.train.algorithm,
                        prompts=run.inputs["prompts"], cluster=shared_cluster, output_dir=str(tmp_path),
-                       show_progress=False, **{**train, "steps": 4}) as trainer:
+                       show_progress=False, **{**train, "steps": 4, "partial_keep_kv": True}) as trainer:
         assert trainer.batches.ahead == 1
         records = trainer.train()
         continued = shared_cluster.client.run(_rows_continued,
                                               workers=[w["address"] for w in shared_cluster.workers_of("rollout")])
-    assert run.train.partial_keep_kv and any(continued.values()), continued
+    assert any(continued.values()), continued
     assert [r.staleness for r in records] == [0.0, 1.0, 2.0, 2.0]
     assert all(r.carried_rows > 0 for r in records)
