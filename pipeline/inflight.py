@@ -236,6 +236,6 @@ def take_trained(batch: InFlightBatch, data: Rollout, scores: Scores,
 
 def _warn_trained_twice(rows: int, what: str) -> None:
     if rows:
-        logger.warning("dask-rl: partial rollouts: a rollout was generated again after its worker was lost and "
-                       "differs from the first (train.partial_keep_kv); %d rows of groups both trained and carried "
-                       "were %s, so each group is trained once", rows, what)
+        logger.warning("dask-rl: partial rollouts: a rollout generated again after its worker was lost differs "
+                       "from the first (as it can with train.partial_keep_kv); %d rows of groups both trained and "
+                       "carried were %s, so each group is trained once", rows, what)
