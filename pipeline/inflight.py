@@ -161,13 +161,9 @@ class InFlight:
         prompts, draws = self.prompts.next_batch(
             partial.new_groups(tc.prompts_per_step, carried_rows, tc.partial_request_groups)
             if tc.partial_rollouts else tc.prompts_per_step)
-        workers = fleet.addresses("rollout")
-        n_shards = max(1, min(len(workers), len(prompts)))
+        n_shards = max(1, min(len(fleet.addresses("rollout")), len(prompts)))
         first = len(batch.rollouts)  # shards already in the batch: every shard gets its own seed
-        # keep_kv: shard i prefers rollout worker i, and a carried group goes to the shard of
-        # the worker whose slots hold its rows (elsewhere they would be prefilled again).
-        homes = workers[:n_shards] if tc.partial_keep_kv else None
-        carried = partial.shard_carried(carried_rows, n_shards, homes) if tc.partial_rollouts else None
+        carried = partial.shard_carried(carried_rows, n_shards) if tc.partial_rollouts else None
         for shard in range(n_shards):
             request = GenerationRequest(prompt_ids=prompts[shard::n_shards], group_ids=draws[shard::n_shards],
                                         samples_per_prompt=tc.samples_per_prompt, max_new_tokens=tc.max_new_tokens,
@@ -182,8 +178,7 @@ class InFlight:
                     finish_born_before=partial.finish_born_before(batch.version, tc.max_staleness, self.ahead),
                     keep_kv=tc.partial_keep_kv)
             shard_tag = f"{tag}-{shard}"
-            generated = fleet.submit("rollout", rollout.generate, request, weights, tag=shard_tag,
-                                     prefer=homes[shard] if homes else None)
+            generated = fleet.submit("rollout", rollout.generate, request, weights, tag=shard_tag)
             if carried is not None:
                 split = (generated, request.complete_groups, request.finish_born_before)
                 batch.carry.futures.append(fleet.submit("rollout", partial.carried_part, *split, tag=shard_tag))

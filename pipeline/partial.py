@@ -46,7 +46,7 @@ def carried_part(rollout: Rollout, needed: int, floor: int) -> tuple[CarriedRow,
         rows.append(CarriedRow(prompt_ids=prompt, response_ids=response,
                                logprobs=rollout.behavior_logprobs[row][mask].tolist(),
                                group_id=int(rollout.group_ids[row]), born=None if born < 0 else born,
-                               ended=not bool(rollout.unfinished[row]), held_by=rollout.held_by))
+                               ended=not bool(rollout.unfinished[row])))
     return tuple(rows)
 
 
@@ -81,22 +81,9 @@ def finish_born_before(version: int, max_staleness: int, ahead: int = 0) -> int:
     return version + 1 + ahead - max_staleness
 
 
-def shard_carried(rows: tuple[CarriedRow, ...], shards: int,
-                  workers: list[str] | None = None) -> list[tuple[CarriedRow, ...]]:
-    """The carried rows split over `shards` requests, each group whole in one: round-robin
-    by group, oldest first. With `workers` (the worker each shard's request prefers), a group
-    goes to the shard of the worker that holds its rows (keep_kv: they decode on there without
-    a prefill) while that shard has fewer than its even share of groups."""
+def shard_carried(rows: tuple[CarriedRow, ...], shards: int) -> list[tuple[CarriedRow, ...]]:
+    """The carried rows split over `shards` requests, each group whole in one (round-robin
+    by group, oldest first)."""
     groups = list(dict.fromkeys(row.group_id for row in rows))
-    holder = {row.group_id: row.held_by for row in rows if row.held_by}
-    share = -(-len(groups) // shards)
-    counts, owner = [0] * shards, {}
-    for i, group in enumerate(groups):
-        shard = i % shards
-        if workers:   # its holder's shard while under the share, else the one with fewest groups
-            preferred = workers.index(holder[group]) if holder.get(group) in workers[:shards] else None
-            shard = preferred if preferred is not None and counts[preferred] < share else \
-                min(range(shards), key=counts.__getitem__)
-        owner[group] = shard
-        counts[shard] += 1
+    owner = {group: i % shards for i, group in enumerate(groups)}
     return [tuple(row for row in rows if owner[row.group_id] == shard) for shard in range(shards)]

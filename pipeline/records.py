@@ -24,7 +24,6 @@ class CarriedRow:
     group_id: int
     born: int | None                 # the policy version of its first token (None: no token yet)
     ended: bool = False              # it reached its end already; only its group is unfinished
-    held_by: str = ""                # the rollout worker whose slots may still hold it (keep_kv)
 
 
 @dataclass
@@ -86,9 +85,6 @@ class Rollout:
     # Without partial rollouts no row is unfinished and every row is of policy_version.
     unfinished: torch.Tensor | None = None
     born: torch.Tensor | None = None
-    # Partial rollouts with keep_kv: the rollout worker whose decode slots still hold the
-    # unfinished rows that were live at the end ("": none).
-    held_by: str = ""
 
     def __post_init__(self):
         rows = self.input_ids.shape[0]

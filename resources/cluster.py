@@ -105,13 +105,12 @@ def role_addresses(client: Client, role: str) -> list[str]:
 
 
 def submit(client: Client, role: str, fn: Callable, *args: Any, tag: str = "",
-           workers: list[str] | None = None, allow_other_workers: bool = False, **kwargs: Any) -> Future:
-    """Run `fn(*args)` on a worker carrying `role` (among `workers`, or preferring them with
-    `allow_other_workers`); the key reads `role-fn-tag-xxxxxxxx` so the dashboard groups and
-    colours tasks by role and function."""
+           workers: list[str] | None = None, **kwargs: Any) -> Future:
+    """Run `fn(*args)` on a worker carrying `role`; the key reads `role-fn-tag-xxxxxxxx`
+    so the dashboard groups and colours tasks by role and function."""
     key = f"{role}-{fn.__name__.replace('_', '-')}-{tag}-{uuid.uuid4().hex[:8]}"
     return client.submit(fn, *args, key=key, resources={role: 1}, pure=False, workers=workers,
-                         allow_other_workers=allow_other_workers, **kwargs)
+                         allow_other_workers=False, **kwargs)
 
 
 async def _set_role_resource(role: str, quantity: float, dask_worker=None) -> None:

@@ -173,8 +173,6 @@ class SlotRun:
             self.lengths[:len(carried)] = torch.tensor(self.prior[:len(carried)], device=self.device)
         self.queue = deque(i for i in range(count) if not self.started[i])
         self.new_tokens = -sum(self.prior)   # the request's own tokens, counted at the end
-        # Carried rows that had tokens and had not ended: those keep_kv may find in a slot.
-        self.stats["carried_started"] = sum(1 for row in carried if row.response_ids and not row.ended)
         if groups is not None:
             self.group_index = torch.unique(torch.tensor(groups), return_inverse=True)[1]
             self.group_sizes = torch.bincount(self.group_index)

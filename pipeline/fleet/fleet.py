@@ -137,12 +137,7 @@ class Fleet:
         return [w["address"] for w in self.cluster.workers_of(role)]
 
     def submit(self, role: str, fn: Callable, *args: Any, tag: str = "", workers: list[str] | None = None,
-               prefer: str | None = None, priority: int = 0):
-        """`workers`: the task runs there only (a rank: wait() fails fast once they are gone).
-        `prefer`: a worker that should run it when it can (any of the role's otherwise)."""
-        if prefer is not None:
-            return submit(self.client, role, fn, *args, tag=tag, workers=[prefer], allow_other_workers=True,
-                          priority=priority)
+               priority: int = 0):
         future = submit(self.client, role, fn, *args, tag=tag, workers=workers, priority=priority)
         if workers:
             self._pinned[future.key] = tuple(workers)

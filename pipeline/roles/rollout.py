@@ -5,7 +5,6 @@ from __future__ import annotations
 import uuid
 
 import torch
-from distributed import get_worker
 
 from pipeline import weights
 from pipeline.records import GenerationRequest, Rollout
@@ -81,10 +80,7 @@ def generate(request: GenerationRequest, handle: weights.WeightHandle | None,
     """Task: sample `request` with the policy of version `handle.version`."""
     role = role_state("rollout")
     role.sync(handle, snapshot)
-    rollout = role.engine.generate(request, role.version)
-    if request.keep_kv:   # its live rows stay in this worker's slots: the next request goes on here
-        rollout.held_by = get_worker().address
-    return rollout
+    return role.engine.generate(request, role.version)
 
 
 def sync_weights(handle: weights.WeightHandle | None) -> int:

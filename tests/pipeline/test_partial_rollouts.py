@@ -222,22 +222,6 @@ def test_a_group_both_trained_and_carried_after_a_regenerated_rollout_is_trained
     assert len(take_trained(every, rollout, scores, per_token)[0]) == 6
 
 
-def test_with_keep_kv_a_carried_group_goes_to_the_shard_of_the_worker_that_holds_it():
-    def row(group, held_by=""):
-        return CarriedRow(prompt_ids=[1], response_ids=[2], logprobs=[-1.0], group_id=group, born=0, held_by=held_by)
-
-    rows = (row(1, "a"), row(2, "a"), row(3, "b"), row(4, "a"), row(5))
-    groups = lambda shards: [[r.group_id for r in shard] for shard in shards]   # noqa: E731
-    assert groups(shard_carried(rows, 2)) == [[1, 3, 5], [2, 4]]          # round-robin, oldest first
-    # Shard 0 prefers worker a: its groups go there up to the even share (3 of 5); the rest
-    # fill the shard with fewest groups.
-    assert groups(shard_carried(rows, 2, ["a", "b"])) == [[1, 2, 4], [3, 5]]
-    assert groups(shard_carried(rows, 2, ["b", "a"])) == [[3, 5], [1, 2, 4]]
-    assert groups(shard_carried(rows + (row(6, "a"),), 2, ["a", "b"])) == [[1, 2, 4], [3, 5, 6]]
-    # Holders no shard prefers (a worker gone): spread evenly.
-    assert groups(shard_carried(rows, 2, ["c", "d"])) == [[1, 3, 5], [2, 4]]
-
-
 def test_held_rows_of_the_same_content_each_go_on_in_a_slot_of_their_own():
     # Two samples of group 3 both at tokens [5, 6] (slots 1 and 4), one of group 2 at [5].
     held = HeldRows(cache=None, column=0, slots={row_key(3, [9], [5, 6]): [1, 4], row_key(2, [9], [5]): [0]},
@@ -426,11 +410,9 @@ def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update
     assert [round(r.tokens / r.response_length) for r in again] == [16, 16]
 
 
-def _rows_continued(dask_worker=None) -> tuple[int, int]:
-    """The carried rows the rollout worker's last request decoded on in their slots, and the
-    carried rows it got that had tokens and had not ended."""
-    stats = dask_worker.plugins["dask-rl-rollout"].state.engine.last_stats
-    return stats.get("continued", 0), stats.get("carried_started", 0)
+def _rows_continued(dask_worker=None) -> int:
+    """The carried rows the rollout worker's last request decoded on in their slots."""
+    return dask_worker.plugins["dask-rl-rollout"].state.engine.last_stats.get("continued", 0)
 
 
 def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
@@ -455,9 +437,6 @@ def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
         records = trainer.train()
         continued = shared_cluster.client.run(_rows_continued,
                                               workers=[w["address"] for w in shared_cluster.workers_of("rollout")])
-    # Two rollout workers: each carried group went back to the worker whose slots held it, so
-    # every started row decoded on there (the slots hold every row of a request).
-    assert len(continued) == 2 and all(rows == started for rows, started in continued.values()), continued
-    assert any(rows for rows, _ in continued.values()), continued
+    assert any(continued.values()), continued
     assert [r.staleness for r in records] == [0.0, 1.0, 2.0, 2.0]
     assert all(r.carried_rows > 0 for r in records)
