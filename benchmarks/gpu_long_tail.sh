@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long-tail figures on one GPU, each part under its own time limit (seconds, from the *_LIMIT
-# variables): PARTS="start tests engine partial update grpo256 grpo256partial grpo256fixed grpo64"
+# variables): PARTS="start tests engine partial prefill update grpo256 grpo256partial grpo256fixed grpo64"
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
 # grpo256partial with train.partial_keep_kv).
@@ -39,6 +39,7 @@ for p in ${PARTS:-tests engine update}; do
                      --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
                      --request-groups 3 --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_partial.json" ;;
+        prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
