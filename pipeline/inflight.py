@@ -21,7 +21,7 @@ from pipeline.config import TrainConfig
 from pipeline import partial
 from pipeline.data import PromptStream
 from pipeline.records import CarriedRow, GenerationRequest, RewardInputs, Rollout, Scores, join_scores
-from pipeline.screening import informative_groups
+from pipeline.screening import informative_groups, select_samples
 from pipeline.roles import critic, reference, reward, rollout
 
 logger = logging.getLogger("dask_rl")
@@ -229,7 +229,7 @@ def take_trained(batch: InFlightBatch, data: Rollout, scores: Scores,
     keep = (~torch.isin(data.group_ids, carried)).nonzero().flatten()
     if 0 < len(keep) < len(data):   # (none left: the step trains them all rather than nothing)
         _warn_trained_twice(len(data) - len(keep), "left out of the step (the carry holds their groups)")
-        data, scores, per_token = data.select(keep), scores.select(keep), {k: v[keep] for k, v in per_token.items()}
+        data, scores, per_token = select_samples(keep, data, scores, per_token)
     batch.carry.trained = set(data.group_ids.tolist())
     return data, scores, per_token
 

@@ -51,6 +51,12 @@ class SampleScreen:
     decode: Callable[[list[int]], str] | None = None  # token ids -> text, for samples a role did not decode
 
 
+def select_samples(rows: torch.Tensor, rollout: Rollout, scores: Scores, per_token: dict[str, torch.Tensor]
+                   ) -> tuple[Rollout, Scores, dict[str, torch.Tensor]]:
+    """The samples `rows` (a 1-D index tensor) of a step's rollout, scores and per-token values."""
+    return rollout.select(rows), scores.select(rows), {k: v[rows] for k, v in per_token.items()}
+
+
 def screen_samples(rollout: Rollout, scores: Scores, per_token: dict[str, torch.Tensor], screen: SampleScreen
                    ) -> tuple[Rollout, Scores, dict[str, torch.Tensor], int]:
     """(rollout, scores (B' rows), per_token, dropped): the step's samples without the bad ones.
@@ -61,8 +67,7 @@ def screen_samples(rollout: Rollout, scores: Scores, per_token: dict[str, torch.
     problems = list(scores.problems) + _non_finite(rollout, {"behavior_logprobs": rollout.behavior_logprobs,
                                                              **per_token})
     rows = _kept_rows(rollout, problems, screen)
-    return (rollout.select(rows), scores.select(rows), {k: v[rows] for k, v in per_token.items()},
-            len(rollout) - len(rows))
+    return (*select_samples(rows, rollout, scores, per_token), len(rollout) - len(rows))
 
 
 def checked_experience(rollout: Rollout, scores: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -112,8 +117,7 @@ def keep_informative_groups(rollout: Rollout, scores: Scores, per_token: dict[st
         logger.warning("dask-rl: train.filter_groups: %d of %d groups have rewards that differ, too few for the "
                        "update's %d rows; training on every group this step", len(kept_groups), all_groups, min_rows)
         return rollout, scores, per_token, 0
-    return (rollout.select(rows), scores.select(rows), {k: v[rows] for k, v in per_token.items()},
-            all_groups - len(kept_groups))
+    return (*select_samples(rows, rollout, scores, per_token), all_groups - len(kept_groups))
 
 
 def _bad_rows(experience: Experience) -> torch.Tensor:
