@@ -34,7 +34,7 @@ def parse_move(text: str) -> tuple[int, dict]:
 
 
 def main() -> None:
-    from pipeline.config import load_run_file
+    from pipeline.run_file import load_run_file
     from pipeline.models import create_tiny_model
     from pipeline.rewards import resolve_reward_function
     from pipeline.trainer import HybridTrainer

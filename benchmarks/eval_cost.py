@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=5, help="eval_every_n_steps of the run with evaluation")
     args = parser.parse_args(argv)
-    from pipeline.config import load_run_file
+    from pipeline.run_file import load_run_file
     from resources.cluster import RoleCluster
     from resources.plan import plan_workers
 

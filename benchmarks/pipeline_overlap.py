@@ -131,7 +131,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pipeline.config import load_run_file
+    from pipeline.run_file import load_run_file
     from pipeline.models import create_tiny_model
     from pipeline.rewards import resolve_reward_function
     from resources.cluster import RoleCluster

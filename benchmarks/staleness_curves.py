@@ -94,7 +94,7 @@ def summarise(name: str, seed: int, records: list, window: int, target: float) -
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pipeline.config import load_run_file
+    from pipeline.run_file import load_run_file
     from pipeline.rewards import resolve_reward_function
     from resources.cluster import RoleCluster
     from resources.plan import plan_workers

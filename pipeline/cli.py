@@ -279,7 +279,8 @@ def run_file(path: str, *, steps: int | None = None, output_dir: str | None = No
         check_scheduler(scheduler_address)  # first: nothing listening there is one line at once
     import tempfile
 
-    from pipeline.config import TrainConfigError, load_run_file, make_train_config
+    from pipeline.config import TrainConfigError, make_train_config
+    from pipeline.run_file import load_run_file
     from pipeline.data import read_rows
     from pipeline.rewards import resolve_reward_function
     from resources.config import ResourceConfigError, shorten

@@ -1,23 +1,18 @@
-"""The training section of a run file (`train:`) and the run file as a whole.
+"""The training section of a run file (`train:`) and of the trainer's arguments.
 
-The resource part of the file is validated by `resources.validate`; this module reads the
-`train:` section into a strict, typed `TrainConfig` (unknown keys, wrong types, non-finite
-and out-of-range numbers are errors that name the key, the value and the fix) plus the
-run's inputs (models, reward, prompts).
+This module reads `train:` into a strict, typed `TrainConfig` (unknown keys, wrong types,
+non-finite and out-of-range numbers are errors that name the key, the value and the fix);
+pipeline/run_file.py reads the run file as a whole (resources, `train:` and the run's inputs).
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-import os
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any, Mapping
 
-from resources.config import ResourceConfig, shorten
-from resources.validate import parse_resource_config
-from resources.yaml_reader import read_yaml
+from resources.config import shorten
 
 
 class TrainConfigError(ValueError):
@@ -42,7 +37,7 @@ class CheckpointConfig:
                               ("keep_last", 1, "keep 1 or more checkpoints, e.g. 2")):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_COUNT:
-                raise TrainConfigError(f"train.checkpoint.{key}: {_shown(value)} is not allowed. Fix: {fix} "
+                raise TrainConfigError(f"train.checkpoint.{key}: {shown(value)} is not allowed. Fix: {fix} "
                                        f"(at most {MAX_COUNT}).")
 
     @classmethod
@@ -50,11 +45,11 @@ class CheckpointConfig:
         if isinstance(value, cls):
             return value
         if not isinstance(value, Mapping):
-            raise TrainConfigError(f"{source}: train.checkpoint: {_shown(value)} is not a mapping. "
+            raise TrainConfigError(f"{source}: train.checkpoint: {shown(value)} is not a mapping. "
                                    f"Fix: write e.g. checkpoint: {{every_n_steps: 50, keep_last: 2}}.")
         unknown = [key for key in value if key not in ("every_n_steps", "keep_last")]
         if unknown:
-            raise TrainConfigError(f"{source}: train.checkpoint: unknown key {_shown(unknown[0])}. "
+            raise TrainConfigError(f"{source}: train.checkpoint: unknown key {shown(unknown[0])}. "
                                    f"Fix: use every_n_steps and keep_last.")
         try:
             return cls(**value)
@@ -235,7 +230,7 @@ class TrainConfig:
         checks.update(self._algorithm_checks())
         for key, (ok, fix) in checks.items():
             if not ok:
-                raise TrainConfigError(f"train.{key}: {_shown(getattr(self, key))} is not allowed. Fix: {fix}.")
+                raise TrainConfigError(f"train.{key}: {shown(getattr(self, key))} is not allowed. Fix: {fix}.")
 
     def _algorithm_checks(self) -> dict[str, tuple[bool, str]]:
         """Range checks of the algorithm options (their own block: other keys stay apart)."""
@@ -305,7 +300,7 @@ class TrainConfig:
         return self.max_staleness + 1
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """`value` as an error message echoes it: its repr, cut short."""
     try:
         return shorten(repr(value))
@@ -321,17 +316,17 @@ def _check_number(key: str, value: Any, type_name: str) -> None:
         return
     default = TrainConfig.__dataclass_fields__[key].default
     if isinstance(value, bool) or not isinstance(value, int if type_name == "int" else (int, float)):
-        raise TrainConfigError(f"train.{key}: {_shown(value)} is not allowed. "
+        raise TrainConfigError(f"train.{key}: {shown(value)} is not allowed. "
                                f"Fix: use {'an integer' if type_name == 'int' else 'a number'}, e.g. {default!r}.")
     try:
         finite = math.isfinite(value)
     except OverflowError:  # an int too large for a float
         finite = False
     if not finite:
-        raise TrainConfigError(f"train.{key}: {_shown(value)} is not allowed. Fix: use a finite number, "
+        raise TrainConfigError(f"train.{key}: {shown(value)} is not allowed. Fix: use a finite number, "
                                f"e.g. {default!r}.")
     if type_name == "int" and key != "seed" and abs(value) > MAX_COUNT:  # the seed has its own range
-        raise TrainConfigError(f"train.{key}: {_shown(value)} is not allowed. Fix: use at most {MAX_COUNT} "
+        raise TrainConfigError(f"train.{key}: {shown(value)} is not allowed. Fix: use at most {MAX_COUNT} "
                                f"(counts become tensor sizes and loop bounds), e.g. {default!r}.")
 
 
@@ -351,7 +346,7 @@ def make_train_config(values: Mapping[str, Any], *, source: str = "trainer argum
             # With a likely match, that one; else the keys (the TrainConfig fields), cut short.
             fix = (f"Did you mean {close[0]!r}? Fix: use that key." if close else
                    f"Fix: use one of {shorten(', '.join(TRAIN_FIELDS), 300)} (every TrainConfig field).")
-            raise TrainConfigError(f"{source}: unknown training key {_shown(key)}. {fix}")
+            raise TrainConfigError(f"{source}: unknown training key {shown(key)}. {fix}")
         checked[key] = _coerce(key, value, TRAIN_FIELDS[key].type, source)
     try:
         return replace(base or TrainConfig(), **checked)
@@ -365,10 +360,10 @@ def _strings(key: str, value: Any, source: str = "") -> tuple[str, ...]:
     example = f"Fix: write e.g. {key}: ['</answer>'] (a list of strings), or leave it out."
     where = f"{source}: " if source else ""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise TrainConfigError(f"{where}train.{key}: {_shown(value)} should be a list of strings. {example}")
+        raise TrainConfigError(f"{where}train.{key}: {shown(value)} should be a list of strings. {example}")
     for item in value:
         if not isinstance(item, str) or item == "":
-            raise TrainConfigError(f"{where}train.{key}: {_shown(item)} in {_shown(list(value))} is not allowed: "
+            raise TrainConfigError(f"{where}train.{key}: {shown(item)} in {shown(list(value))} is not allowed: "
                                    f"every entry must be a non-empty string. {example}")
     return tuple(value)
 
@@ -387,25 +382,25 @@ def _coerce(key: str, value: Any, type_name: str, source: str) -> Any:
     if type_name == "dict[str, str]":
         if not (isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) and k and v
                                                    for k, v in value.items())):
-            raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should map names to names. "
+            raise TrainConfigError(f"{source}: train.{key}: {shown(value)} should map names to names. "
                                    f"Fix: write e.g. {key}: {{answer: solution}}.")
         return dict(value)
     if type_name == "list[float]":
         if not (isinstance(value, (list, tuple)) and value and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
-            raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should be a list of finite numbers. "
+            raise TrainConfigError(f"{source}: train.{key}: {shown(value)} should be a list of finite numbers. "
                                    f"Fix: write e.g. {key}: [1.0, 0.5].")
         return [float(v) for v in value]
     expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
     if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
         article = "an" if type_name == "int" else "a"
-        raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} should be {article} {type_name}. "
+        raise TrainConfigError(f"{source}: train.{key}: {shown(value)} should be {article} {type_name}. "
                                f"Fix: write e.g. {key}: {_example(key, type_name)}.")
     if type_name == "float":
         try:
             return float(value)
         except OverflowError:  # an int of hundreds of digits: no float holds it
-            raise TrainConfigError(f"{source}: train.{key}: {_shown(value)} is too large for a float. "
+            raise TrainConfigError(f"{source}: train.{key}: {shown(value)} is too large for a float. "
                                    f"Fix: write e.g. {key}: {getattr(TrainConfig(), key)!r}.") from None
     return value
 
@@ -415,42 +410,3 @@ def _example(key: str, type_name: str) -> str:
     if default is None or default == "":
         return {"bool": "true", "str": "'...'"}.get(type_name, "1")
     return repr(default)
-
-
-@dataclass(frozen=True)
-class RunFile:
-    """A whole run file: the resource contract, the training section and the run inputs."""
-
-    resources: ResourceConfig
-    train: TrainConfig
-    inputs: Mapping[str, Any]   # actor_model, reward_function, prompts, ... (paths made absolute)
-
-
-def load_run_file(path: str | os.PathLike) -> RunFile:
-    """Read a run file such as examples/quickstart.yaml (resources at the top, `train:` below)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"run file {path} does not exist. Fix: check the path (examples/quickstart.yaml "
-                                f"is one to start from)")
-    # The resource parser's strict reader: a key written twice is an error, not "last wins".
-    data = read_yaml(path, str(path)) or {}
-    resources = parse_resource_config(data, source=str(path))
-    section = data.get("train") or {}
-    if not isinstance(section, Mapping):
-        raise TrainConfigError(f"{path}: train: {_shown(section)} is not a mapping. "
-                               f"Fix: write the training keys under it, e.g. train: {{steps: 20}}.")
-    section = dict(section)
-    inputs = {key: section.pop(key) for key in INPUT_KEYS if key in section}
-    for key in ("prompts", "eval_prompts", "output_dir", "actor_model", "reward_model", "critic_model", "reference_model"):
-        value = inputs.get(key)
-        # Relative paths in a run file are relative to the file, like any include.
-        if isinstance(value, str) and value not in ("tiny", "tiny-chat") and _exists(path.parent / value):
-            inputs[key] = str((path.parent / value).resolve())
-    return RunFile(resources, make_train_config(section, source=f"{path}: train"), inputs)
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except (OSError, ValueError):  # a name too long for the OS, or with a NUL byte: not a file
-        return False

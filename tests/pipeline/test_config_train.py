@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import python_peak
 
-from pipeline.config import TrainConfig, TrainConfigError, load_run_file, make_train_config
+from pipeline.config import TrainConfig, TrainConfigError, make_train_config
+from pipeline.run_file import load_run_file
 from resources.config import ResourceConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -424,7 +424,7 @@ def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
     next one, with the same staleness."""
     from pathlib import Path
 
-    from pipeline.config import load_run_file
+    from pipeline.run_file import load_run_file
 
     run = load_run_file(Path(__file__).resolve().parents[2] / "examples" / "partial_cpu.yaml")
     assert run.resources.role("rollout").strategy == "cuda_graph"
