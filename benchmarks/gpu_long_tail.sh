@@ -3,7 +3,7 @@
 # variables): PARTS="start tests engine partial prefill update grpo256 grpo256partial grpo256fixed grpo64"
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
-# grpo256partial with train.partial_keep_kv).
+# grpo256partial with train.partial_keep_kv; UPDATE_ARGS go to packed_update.py).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 # `start` runs the build probe and then a batch-64 GRPO run without TRL twice each: the first
 # of each pair pays for compiling bytecode (and decode graphs) on a fresh machine, the second
@@ -40,7 +40,7 @@ for p in ${PARTS:-tests engine update}; do
                      --request-groups 3 --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
-        update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ;;
+        update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
                      ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_long.json" ;;

@@ -11,11 +11,17 @@ as train.gradient_checkpointing defaults to. Two ways:
 - packed, no checkpointing: the same with train.gradient_checkpointing: false, whose budget
   holds fewer tokens (activations are kept) but whose backward recomputes nothing;
 - packed, <= N tokens: the auto budget capped lower (--token-caps): what a smaller, cheaper
-  micro-batch costs in time.
+  micro-batch costs in time;
+- packed, compiled blocks (--compile-blocks): the auto budget with each transformer block
+  compiled by torch.compile (dynamic shapes), to see what eager kernel launches and unfused
+  element-wise work cost.
+
+--profile runs the auto packed step once more under torch.profiler and prints the operators
+that took the most device time.
 
 Each is run twice (the first step warms kernels up and, for the budget, measures bytes per
 token); the second is reported: seconds, tokens computed / real tokens, peak GPU memory,
-micro-batches. A table on stdout and, with --json PATH, one JSON line.
+micro-batches. Peak memory is torch's allocated and reserved bytes. A table on stdout and, with --json PATH, one JSON line.
 
     python benchmarks/packed_update.py --json packed_update.json     # < 2 minutes on an H100
 """
@@ -75,7 +81,28 @@ def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool) -
     torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - start, "computed_tokens": sum(computed),
             "real_tokens": int(batch.attention_mask.sum()), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "micro_batches": len(computed), "token_budget": trainable.micro_batch_tokens}
+
+
+def profile(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool, rows: int = 25) -> None:
+    """One more step under torch.profiler: the operators with the most device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(trainable, batch, micro_batch_size, pack)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """Each transformer block compiled in place (dynamic shapes: packed micro-batches vary).
+    Blocks share their code, so every block's first call with a cache (the separability
+    check) is a recompile: more than Dynamo's default limit of 8."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+    for block in model.model.layers:
+        block.compile(dynamic=True)
+    return model
 
 
 def main(argv=None) -> dict:
@@ -89,6 +116,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--token-caps", type=int, nargs="*", default=[8192, 16384, 65536],
                         help="also run packed with the auto budget capped at each (micro_batch_size: auto "
                              "caps at 32768 real tokens)")
+    parser.add_argument("--compile-blocks", action="store_true", help="also run packed with compiled blocks")
+    parser.add_argument("--profile", action="store_true", help="profile one auto packed step")
+    parser.add_argument("--only", nargs="*", help="run only the ways whose name starts with one of these")
     parser.add_argument("--json", help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -103,22 +133,33 @@ def main(argv=None) -> dict:
     ways = [("padded", 16, False, True, None), ("packed", "auto", True, True, None),
             ("packed, no checkpointing", "auto", True, False, None)]
     ways += [(f"packed, <= {cap} tokens", "auto", True, True, cap) for cap in args.token_caps]
+    if args.compile_blocks:
+        ways += [("packed, compiled blocks", "auto", True, True, None)]
+    if args.only:
+        ways = [way for way in ways if way[0].startswith(tuple(args.only))]
     for name, micro_batch_size, pack, checkpointing, cap in ways:
-        trainable = Trainable(lambda: copy.deepcopy(initial), lr=1e-6, strategy="none", device="cuda",
+        build = (lambda: compile_blocks(copy.deepcopy(initial))) if "compiled" in name else (lambda: copy.deepcopy(initial))
+        trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda",
                               gradient_checkpointing=checkpointing, role_name="actor")
         if cap:
             trainable.allocator.max_tokens = cap
+        began = time.perf_counter()
         run(trainable, batch, micro_batch_size, pack)            # warm-up; the budget measures bytes per token
-        results[name] = run(trainable, batch, micro_batch_size, pack)
+        warm_up = time.perf_counter() - began
+        results[name] = {**run(trainable, batch, micro_batch_size, pack), "warm_up_seconds": warm_up}
+        if args.profile and name == "packed":
+            profile(trainable, batch, micro_batch_size, pack)
         del trainable
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: {args.rows} rows, prompt {args.prompt}, responses geometric mean "
           f"{args.mean_response:g} cut at {args.max_response}, {args.layers} layers, bf16")
-    print(f"{'':26} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'micro-batches':>14}")
+    print(f"{'':26} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'reserved':>9} {'micro-batches':>14} "
+          f"{'warm-up s':>10}")
     for name, r in results.items():
         print(f"{name:26} {r['seconds']:8.2f} {r['computed_tokens'] / r['real_tokens']:14.2f} {r['peak_gib']:9.1f} "
-              f"{r['micro_batches']:14d}")
-    print(f"speed-up {results['padded']['seconds'] / results['packed']['seconds']:.2f}x")
+              f"{r['reserved_gib']:9.1f} {r['micro_batches']:14d} {r['warm_up_seconds']:10.1f}")
+    if "padded" in results and "packed" in results:
+        print(f"speed-up {results['padded']['seconds'] / results['packed']['seconds']:.2f}x")
     record = {"benchmark": "packed_update", "device": torch.cuda.get_device_name(), **vars(args), **results}
     if args.json:
         with open(args.json, "a") as out:

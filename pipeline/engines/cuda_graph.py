@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
-from pipeline.engines.continuous import HeldRows, SlotRun, bucket_batch, bucket_length
+from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, HeldRows, SlotRun, bucket_batch, bucket_length
 from pipeline.engines.hf import (
     PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
 )
@@ -66,6 +66,9 @@ class CudaGraphEngine:
             both are reported as degradations.
         prompt_bucket: prompts are left-padded to a multiple of this many tokens.
         compile: capture decode steps as CUDA graphs (default: on CUDA devices).
+        fewest_slots: the tail of a request moves into fewer slots, down to this many
+            (default: continuous.FEWEST_CAPTURED_SLOTS when compiling, where each slot count
+            is a graph to compile, else 8).
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
         check_every: decode steps between two looks at the device (default: a GPU's
             continuous.EOS_CHECK_EVERY, every step on a CPU, where looking costs nothing).
@@ -76,13 +79,14 @@ class CudaGraphEngine:
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
                  prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None,
-                 check_every: int | None = None):
+                 check_every: int | None = None, fewest_slots: int | None = None):
         self.model = model.eval()
         use_slot_attention(model)
         self.pad_id, self.eos_id, self.device, self.decode = pad_id, eos_id, device, decode
         self.max_batch_size = bucket_batch(max_batch_size)
         self.prompt_bucket = prompt_bucket
         self.compiled = torch.device(device).type == "cuda" if compile is None else compile
+        self.fewest_slots = bucket_batch(fewest_slots or (FEWEST_CAPTURED_SLOTS if self.compiled else 1))
         self.check_every = check_every   # None: every continuous.EOS_CHECK_EVERY steps on CUDA, every step on CPU
         self._caches: dict[tuple[int, int], SlotCache] = {}   # (slots, length) -> its cache
         self.batch = self.max_batch_size     # decode slots of the current request

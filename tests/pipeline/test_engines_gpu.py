@@ -115,7 +115,9 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
     into fewer slots, and the logprobs stay as close to the actor's as a static batch's."""
     import torch._dynamo.utils
 
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64)
+    # Down to 8 slots (the default stops at 32): the test's 64 slots would otherwise shrink once.
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64, fewest_slots=8)
+    assert CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda").fewest_slots == 32
     hook = end_with_probability(model, 1, 0.03)   # each token ends a response with probability 0.03
     try:
         engine.generate(_request(batch=128, new=256, seed=4), 0)   # compiles
