@@ -111,7 +111,7 @@ class HeldRows:
 class SlotRun:
     """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
 
-    `engine` provides: model, device, pad_id, eos_id, decode (ids -> text), compiled,
+    `engine` provides: model, prefill_model (the model or its compiled forward), device, pad_id, eos_id, decode (ids -> text), compiled,
     prompt_bucket, fewest_slots (the tail shrinks no lower), check_every (decode steps between two looks at the device; None: the
     device's default),
     `_decode(token, position_ids, column, mask, cache, temperature, top_k, top_p, min_p)`
@@ -357,10 +357,10 @@ class SlotRun:
         timing = self._prefill_timing()
         ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
         columns = (torch.arange(width, device=self.device) + self.column - width) % self.length
-        logits = self.engine.model(input_ids=ids, attention_mask=prompt_mask,
-                                   position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
-                                   logits_to_keep=1, slot_cache=self.cache, slot_rows=rows,
-                                   slot_columns=columns).logits[:, -1]
+        logits = self.engine.prefill_model(input_ids=ids, attention_mask=prompt_mask,
+                                           position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
+                                           logits_to_keep=1, slot_cache=self.cache, slot_rows=rows,
+                                           slot_columns=columns).logits[:, -1]
         token, logprob = sample_tokens(logits, self.request.temperature, *self.filters)
         sequences = torch.tensor(waiting, device=self.device)
         self.tokens[sequences, prior], self.logprobs[sequences, prior] = token, logprob

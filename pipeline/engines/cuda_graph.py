@@ -79,7 +79,8 @@ class CudaGraphEngine:
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
                  prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None,
-                 check_every: int | None = None, fewest_slots: int | None = None):
+                 check_every: int | None = None, fewest_slots: int | None = None,
+                 compile_prefill: bool = False):
         self.model = model.eval()
         use_slot_attention(model)
         self.pad_id, self.eos_id, self.device, self.decode = pad_id, eos_id, device, decode
@@ -101,6 +102,9 @@ class CudaGraphEngine:
         # the cache object: one graph per cache and temperature.
         self._decode = (torch.compile(self._decode_step, mode="reduce-overhead", dynamic=False)
                         if self.compiled else self._decode_step)
+        # Prefill passes run the model eagerly unless compiled too (dynamic shapes, no graphs:
+        # one compile serves every rows x width).
+        self.prefill_model = torch.compile(self.model, dynamic=True) if compile_prefill else self.model
 
     @torch.no_grad()
     def generate(self, request: GenerationRequest, policy_version: int) -> Rollout:
