@@ -14,7 +14,10 @@ as train.gradient_checkpointing defaults to. Two ways:
   micro-batch costs in time;
 - packed, compiled blocks (--compile-blocks): the auto budget with each transformer block
   compiled by torch.compile (dynamic shapes), to see what eager kernel launches and unfused
-  element-wise work cost.
+  element-wise work cost;
+- packed, compiled projection (--compile-projection): the auto budget with the projection
+  onto the vocabulary (the head, the float32 log-softmax and entropy of each chunk of
+  response tokens, pipeline/roles/forward.py's _project) compiled.
 
 --profile runs the auto packed step once more under torch.profiler and prints the operators
 that took the most device time.
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config  # noqa: E402
 from pipeline.packing import computed_tokens, plan_packing  # noqa: E402
 from pipeline.records import Experience  # noqa: E402
+from pipeline.roles import forward  # noqa: E402
 from pipeline.roles.actor import ActorRole, PolicyStep  # noqa: E402
 from pipeline.roles.training import Trainable  # noqa: E402
 
@@ -117,6 +121,8 @@ def main(argv=None) -> dict:
                         help="also run packed with the auto budget capped at each (micro_batch_size: auto "
                              "caps at 32768 real tokens)")
     parser.add_argument("--compile-blocks", action="store_true", help="also run packed with compiled blocks")
+    parser.add_argument("--compile-projection", action="store_true",
+                        help="also run packed with the vocabulary projection compiled")
     parser.add_argument("--profile", action="store_true", help="profile one auto packed step")
     parser.add_argument("--only", nargs="*", help="run only the ways whose name starts with one of these")
     parser.add_argument("--json", help="append the result as one JSON line to this file")
@@ -135,10 +141,14 @@ def main(argv=None) -> dict:
     ways += [(f"packed, <= {cap} tokens", "auto", True, True, cap) for cap in args.token_caps]
     if args.compile_blocks:
         ways += [("packed, compiled blocks", "auto", True, True, None)]
+    if args.compile_projection:
+        ways += [("packed, compiled projection", "auto", True, True, None)]
+    eager_projection = forward._project
     if args.only:
         ways = [way for way in ways if way[0].startswith(tuple(args.only))]
     for name, micro_batch_size, pack, checkpointing, cap in ways:
-        build = (lambda: compile_blocks(copy.deepcopy(initial))) if "compiled" in name else (lambda: copy.deepcopy(initial))
+        build = (lambda: compile_blocks(copy.deepcopy(initial))) if "blocks" in name else (lambda: copy.deepcopy(initial))
+        forward._project = torch.compile(eager_projection, dynamic=True) if "projection" in name else eager_projection
         trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda",
                               gradient_checkpointing=checkpointing, role_name="actor")
         if cap:
