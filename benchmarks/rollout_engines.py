@@ -106,7 +106,8 @@ def _below_full_length(rows: list[dict], what: str) -> None:
     """Each long-tail row's useful tokens/s against the first row's (full length)."""
     full = rows[0]["useful_tokens_per_second"]
     for row in rows[1:]:
-        kv = f" ({row['kv']}, refill at 1/{row['refill_share']}, {row['prefill']} prefill)" if "kv" in row else ""
+        kv = (f" ({row['kv']}, refill at 1/{row['refill_share']}, {row['prefill']} prefill, {row['looks']} looks)"
+              if "kv" in row else "")
         print(f"  {what}end probability {row['end_probability']}{kv}: {full / row['useful_tokens_per_second']:.2f}x "
               f"below the full-length rate", flush=True)
 
@@ -154,13 +155,15 @@ def _long_tail_row(engine, batch: int, prompt: int, new: int, probability: float
 
 def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[float], samples: int,
                   requests: int, max_staleness: int, request_groups: int, kv_modes: list[str],
-                  refill_shares: list[int], prefill_modes: list[str] = ("eager",), fill: int = 2) -> list:
+                  refill_shares: list[int], prefill_modes: list[str] = ("eager",),
+                  looks: list[str] = ("lagged",), fill: int = 2) -> list:
     """Useful tokens/s of the cuda_graph engine over `requests` consecutive partial
     rollouts (after `fill` that build the carry), at full length and at each end probability,
     once for each of `kv_modes`, "prefill" (a carried row is prefilled again) and "keep" (a
     row still in its slot decodes on there, train.partial_keep_kv), and each of
     `refill_shares` (continuous.REFILL_SHARE: free slots wait for 1/share of the slots) and
-    `prefill_modes`, "eager" or "compiled" (the engine's compile_prefill)."""
+    `prefill_modes`, "eager" or "compiled" (the engine's compile_prefill), and `looks`,
+    "lagged" (act on the last look, continuous.LAGGED_LOOKS) or "present" (wait at each)."""
     device = next(model.parameters()).device
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=str(device), max_batch_size=batch)
     prefill_models = {"eager": engine.prefill_model}
@@ -178,20 +181,21 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
             engine.generate(request(batch, prompt, new, seed=2), 0)
             for kv in kv_modes[:1] if probability == 0 else kv_modes:   # full length: no row is left
                 for share in refill_shares[:1] if probability == 0 else refill_shares:
-                    for mode in prefill_modes:
-                        continuous.REFILL_SHARE = share
+                    for mode, look in [(mode, look) for mode in prefill_modes for look in looks]:
+                        continuous.REFILL_SHARE, continuous.LAGGED_LOOKS = share, look == "lagged"
                         engine.prefill_model = prefill_models[mode]
                         rows.append(_partial_row(engine, batch, prompt, new, probability, samples, requests,
-                                                 max_staleness, request_groups, kv, fill, mode))
+                                                 max_staleness, request_groups, kv, fill, mode, look))
     finally:
         hook.remove()
-        continuous.REFILL_SHARE = default_share
+        continuous.REFILL_SHARE, continuous.LAGGED_LOOKS = default_share, True
     _below_full_length(rows, "partial, ")
     return rows
 
 
 def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, samples: int, requests: int,
-                 max_staleness: int, request_groups: int, kv: str, fill: int, prefill: str = "eager") -> dict:
+                 max_staleness: int, request_groups: int, kv: str, fill: int, prefill: str = "eager",
+                 looks: str = "lagged") -> dict:
     groups = batch // samples
     runs = [(seconds, dict(engine.last_stats), len(rollout) - len(carried))
             for version, rollout, carried, seconds in partial_requests(
@@ -199,7 +203,7 @@ def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, 
                 groups, samples, new, max_staleness, request_groups, fill + requests, keep_kv=kv == "keep")
             if version >= fill]
     seconds = sum(run[0] for run in runs)
-    row = {"end_probability": probability, "kv": kv, "prefill": prefill, "refill_share": continuous.REFILL_SHARE, "batch": batch,
+    row = {"end_probability": probability, "kv": kv, "prefill": prefill, "looks": looks, "refill_share": continuous.REFILL_SHARE, "batch": batch,
            "samples_per_prompt": samples,
            "max_new_tokens": new, "max_staleness": max_staleness, "request_groups": request_groups,
            "requests": requests,
@@ -213,7 +217,7 @@ def _partial_row(engine, batch: int, prompt: int, new: int, probability: float, 
            "request_seconds": [round(run[0], 3) for run in runs],
            "step_ms": [run[1]["step_ms"] for run in runs]}
     print(f"cuda_graph partial rollouts batch {batch} ({groups} x {samples}, max_staleness "
-          f"{max_staleness}, carried rows: {kv}, refill at 1/{continuous.REFILL_SHARE}, {prefill} prefill), end probability "
+          f"{max_staleness}, carried rows: {kv}, refill at 1/{continuous.REFILL_SHARE}, {prefill} prefill, {looks} looks), end probability "
           f"{probability:<6}: {row['seconds']:5.2f} s a "
           f"request, {row['decode_steps']:6.0f} decode steps, "
           f"{row['useful_tokens_per_second']:>8,.0f} useful tokens/s, slot use {row['slot_use']:.2f}, "
@@ -276,6 +280,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", nargs="+", choices=["eager", "compiled"], default=["eager"],
                         help="partial rollouts: prefill passes eager or compiled (the engine's compile_prefill); "
                              "each is timed")
+    parser.add_argument("--looks", nargs="+", choices=["lagged", "present"], default=["lagged"],
+                        help="partial rollouts: act on the last look (the default) or wait for the present at "
+                             "each; each is timed")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     args = parser.parse_args(argv)
@@ -285,7 +292,8 @@ def main(argv=None) -> int:
         rows = [row for batch in args.batches
                 for row in bench_partial(model, batch, args.prompt, args.new_tokens, args.long_tail,
                                          args.samples_per_prompt, args.partial, args.max_staleness,
-                                         args.request_groups, args.kv, args.refill_share, args.prefill)]
+                                         args.request_groups, args.kv, args.refill_share, args.prefill,
+                                         args.looks)]
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0

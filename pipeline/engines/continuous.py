@@ -12,6 +12,12 @@ The loop talks to the GPU without waiting for it, except every EOS_CHECK_EVERY s
 every step on a CPU, where waiting costs nothing): there it learns which slots are free,
 checks stop strings, and refills, shrinks or ends. A slot whose sequence ended in between
 keeps decoding into a sink row until then; those steps are the slot use this reports.
+What it learns is one look old: each look copies the slots' live flags to the host without
+waiting, and the next look acts on that copy while the steps launched in between keep the
+GPU busy. Otherwise the GPU would wait at every look for the host's scheduling and the
+Python of eager prefill passes. Acting late is safe because only the host makes a slot live:
+a slot free in the copy is still free. A request with stop strings looks at the present
+instead (it reads the tokens too).
 
 Partial rollouts (a request with `complete_groups`): the request holds more sequences than a
 step needs, the rows carried from the request before first. Their tokens so far are prefilled
@@ -30,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -47,6 +54,9 @@ REFILL_SHARE = 16
 # slots are live. Halving at each step down costs a captured graph per slot count (compiled
 # once per run and shape) and keeps slot use higher than quartering.
 SHRINK_SHARE = 2
+# Act on the last look's copy of the slots' live flags (see the module's docstring); False acts
+# on the present at every look, which waits for the device (benchmarks compare the two).
+LAGGED_LOOKS = True
 # Captured decode steps shrink no lower than this many slots. Below it a step costs about
 # the same (the 0.5B shape on an H100: 2.23 ms at 32 slots, 2.17 at 16, 2.12 at 8), while
 # each further slot count is one more graph to compile, 10-30 s that a partial run met in
@@ -78,6 +88,17 @@ def prefill_passes(lengths: list[int], bucket: int, ring: int, budget: int) -> l
         else:
             passes.append((min(bucket_length(lengths[index], bucket), ring), [index]))
     return passes
+
+
+def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """(k, W) left-padded prompt mask -> (k, 1, W, W) boolean attention mask: causal, real
+    keys only. A padding position (no real key at or before it) attends to every key, so
+    its output is finite; nothing reads it. Given in full, transformers uses it as it is,
+    instead of first asking whether the prompts have padding at all, a wait for the device."""
+    width = prompt_mask.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
+    mask = causal & prompt_mask.bool()[:, None, None, :]
+    return mask | ~mask.any(-1, keepdim=True)
 
 
 def row_key(group_id: int, prompt_ids, response_ids) -> tuple:
@@ -228,6 +249,8 @@ class SlotRun:
         steps_at: Counter[int] = Counter()        # decode steps at each slot count
         seconds_at: Counter[int] = Counter()      # their wall time, read at the sync points
         steps, clock = 0, time.perf_counter()
+        lagged = LAGGED_LOOKS and not self.request.stop_strings
+        look = self._look() if lagged else None   # the live flags as of the last look, on their way
         while True:   # the prefill recorded each sequence's first token
             slots = self.cache.slots              # changes only at a sync point (_schedule)
             self._decode()
@@ -235,15 +258,19 @@ class SlotRun:
             steps_at[slots] += 1
             steps += 1
             if steps % self.check_every == 0:
-                active = self.active.cpu()        # waits for the device
+                active = look() if lagged else self._present()   # waits for the device up to that look
                 synced = time.perf_counter()
                 done = not self._schedule(active)
+                if lagged and not done:
+                    look = self._look()           # after _schedule's refills and moves: it sees them
                 now = time.perf_counter()
                 self.stats["host_ms"] += 1e3 * (now - synced)
                 seconds_at[slots] += now - clock
                 clock = now
                 if done:
                     break
+        if self.request.complete_groups:          # what is unfinished now, not at the look
+            self.unfinished = self._unfinished(self._present())
         self.stats["decode_steps"] = steps
         self.stats["decode_steps_at"] = dict(steps_at)
         # Wall time per decode step at each slot count (prefills included): the tail's floor.
@@ -296,12 +323,12 @@ class SlotRun:
         self.column = (self.column + 1) % self.length
 
     def _schedule(self, active: torch.Tensor) -> bool:
-        """At a sync point (`active`: the slots' live flags, just read): end rows at stop
+        """At a sync point (`active`: the slots' live flags at the last look): end rows at stop
         strings, refill free slots from the queue, or move the live rows into fewer slots once
         the queue is empty. False: all done."""
         if self.request.stop_strings:
             self._end_at_stop_strings()
-            active = self.active.cpu()
+            active = self._present()
         if self.request.complete_groups and self._groups_complete(active):
             return False
         free = (~active).nonzero().flatten().tolist()
@@ -318,17 +345,44 @@ class SlotRun:
 
     def _groups_complete(self, active: torch.Tensor) -> bool:
         """Partial rollouts: whether the request can end here, i.e. `complete_groups` groups
-        have every sample finished and no row that must end this time is live. Marks the
-        unfinished rows (live in a slot, or still waiting) when it can."""
-        finished = self.started.clone()
-        finished[self.sequence.cpu()[active]] = False
+        have every sample finished and no row that must end this time is live. A row
+        finished at a look stays finished, so a late look only ends the request later."""
+        finished = ~self._unfinished(active)
         if (self.must_end & ~finished).any():
             return False
         done = torch.bincount(self.group_index, weights=finished.double(), minlength=len(self.group_sizes))
-        if int((done == self.group_sizes).sum()) < self.request.complete_groups:
-            return False
-        self.unfinished = ~finished
-        return True
+        return int((done == self.group_sizes).sum()) >= self.request.complete_groups
+
+    def _present(self) -> torch.Tensor:
+        """The slots' live flags (and sequences) now: waits for every step launched."""
+        self._slot_sequences = self.sequence.cpu()
+        return self.active.cpu()
+
+    def _unfinished(self, active: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: the sequences live in a slot (per `active`) or still waiting."""
+        unfinished = ~self.started
+        unfinished[self._slot_sequences[active]] = True
+        return unfinished
+
+    def _look(self) -> Callable[[], torch.Tensor]:
+        """Start copying the slots' live flags (and which sequence each slot holds) to the
+        host; the returned function waits for the copy, not for the steps launched after it,
+        and returns the flags."""
+        if torch.device(self.device).type != "cuda":
+            self._slot_sequences, active = self.sequence.clone(), self.active.clone()
+            return lambda: active
+        active = torch.empty(self.active.shape, dtype=torch.bool, pin_memory=True)
+        sequences = torch.empty(self.sequence.shape, dtype=torch.long, pin_memory=True)
+        active.copy_(self.active, non_blocking=True)
+        sequences.copy_(self.sequence, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> torch.Tensor:
+            copied.synchronize()
+            self._slot_sequences = sequences
+            return active
+        return wait
 
     @torch.no_grad()   # also called while the run is set up
     def _refill(self, free: list[int]) -> None:
@@ -348,21 +402,20 @@ class SlotRun:
 
     def _prefill(self, width: int, slots: list[int], waiting: list[int]) -> None:
         """One prefill pass: the prefixes of sequences `waiting`, left-padded to `width`, into `slots`."""
-        rows = torch.tensor(slots, device=self.device)
-        prior = torch.tensor([self.prior[i] for i in waiting], device=self.device)
         ids, prompt_mask = left_pad([self.prefixes[i] for i in waiting], self.engine.pad_id, width=width)
         self.stats["prefill_passes"] += 1
         self.stats["prefill_tokens"] += ids.numel()
         self.stats["prefill_real_tokens"] += int(prompt_mask.sum())
         timing = self._prefill_timing()
-        ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
+        rows, prior = self._to_device(slots), self._to_device([self.prior[i] for i in waiting])
+        ids, prompt_mask = self._to_device(ids), self._to_device(prompt_mask)
         columns = (torch.arange(width, device=self.device) + self.column - width) % self.length
-        logits = self.engine.prefill_model(input_ids=ids, attention_mask=prompt_mask,
+        logits = self.engine.prefill_model(input_ids=ids, attention_mask=prefill_mask(prompt_mask),
                                            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
                                            logits_to_keep=1, slot_cache=self.cache, slot_rows=rows,
                                            slot_columns=columns).logits[:, -1]
         token, logprob = sample_tokens(logits, self.request.temperature, *self.filters)
-        sequences = torch.tensor(waiting, device=self.device)
+        sequences = self._to_device(waiting)
         self.tokens[sequences, prior], self.logprobs[sequences, prior] = token, logprob
         self.lengths[sequences] = prior + 1
         self.token[rows], self.sequence[rows], self.generated[rows] = token, sequences, prior + 1
@@ -371,6 +424,14 @@ class SlotRun:
         self.mask[rows[:, None], 0, 0, columns[None, :]] = prompt_mask.bool()
         self.position[rows, 0] = prompt_mask.sum(-1)
         timing()
+
+    def _to_device(self, values: torch.Tensor | list[int]) -> torch.Tensor:
+        """Host values (ints) on the device, without waiting for the steps launched before:
+        a copy from pageable memory would wait for all of them, a pinned one does not."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+        if torch.device(self.device).type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _prefill_timing(self):
         """Starts timing a prefill pass; the returned function ends it. On CUDA a pair of
@@ -400,7 +461,7 @@ class SlotRun:
         live = active.nonzero().flatten().tolist()
         slots = max(bucket_batch(len(live)), self.engine.fewest_slots)
         empty = (~active).nonzero().flatten().tolist()[:slots - len(live)]
-        rows = torch.tensor(live + empty, device=self.device)
+        rows = self._to_device(live + empty)
         smaller = self.engine._cache(slots, self.length)
         smaller.take_rows(self.cache, rows)
         self.cache = smaller

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engines.continuous import SlotRun
+from pipeline.engines import continuous
+from pipeline.engines.continuous import SlotRun, prefill_mask
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.models import load_causal_lm, load_tokenizer
 from pipeline.records import GenerationRequest
@@ -167,3 +168,35 @@ def test_fewer_slots_live_within_the_rings_largest_cache(model_and_tokenizer):
     assert large.keys[1][:4, 0, 0, 0].tolist() == [1063, 1005, 1000, 1040]
     assert large.keys[1][4:16, 0, 0, 0].tolist() == [1000 + row for row in range(20, 32)]
     assert large.keys[1][16:, 0, 0, 0].tolist() == [1000 + row for row in range(16, 64)], "rows past 16 kept"
+
+
+def test_the_prefill_mask_is_causal_over_real_keys():
+    """Hand-computed: a prompt with one padding position, one without."""
+    mask = prefill_mask(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    assert mask.shape == (2, 1, 3, 3)
+    assert mask[0, 0].int().tolist() == [[1, 1, 1],    # padding: no real key yet, so every key
+                                         [0, 1, 0],    # (finite; its output is never read)
+                                         [0, 1, 1]]
+    assert mask[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def test_acting_on_the_last_look_serves_the_same_sequences(model_and_tokenizer, monkeypatch):
+    """Refills and moves decided from the look before (the default) against the present:
+    every sequence still ends at its first EOS or its limit with the actor's logprobs, and
+    the late looks cost at most a few decode steps a request."""
+    model, tokenizer = model_and_tokenizer
+    eos = tokenizer.eos_token_id
+    request = _request(tokenizer, prompts=16, samples=4, new_tokens=40)
+    steps = {}
+    hook = _eos_bias(model, eos, 1.5)
+    try:
+        for lagged in (False, True):
+            monkeypatch.setattr(continuous, "LAGGED_LOOKS", lagged)
+            engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu",
+                                     max_batch_size=16, check_every=4)
+            rollout = engine.generate(request, policy_version=0)
+            _check_against_the_actor(model, request, rollout, eos)
+            steps[lagged] = engine.last_stats["decode_steps"]
+    finally:
+        hook.remove()
+    assert steps[False] <= steps[True] <= steps[False] * 1.3, steps

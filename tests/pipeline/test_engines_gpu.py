@@ -183,3 +183,33 @@ def test_partial_rollouts_under_captured_graphs_continue_rows_and_fill_more_slot
           f"decodes its tail ({len(whole)} rows)")
     assert sum(uses[1:]) / len(uses[1:]) > whole_use   # a request's use varies with its carry
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "carried rows must not recompile"
+
+
+def test_refills_and_moves_launch_without_waiting_for_the_device(model):
+    """Between two looks the decode loop never waits for the GPU: refills (prefill passes)
+    and moves into fewer slots are launched behind the steps already queued, and each look
+    waits only for its own copy. Counted with torch's sync debug mode over a whole long-tailed
+    request: what syncs is the request's start and end, not its dozens of looks."""
+    import warnings
+
+    from pipeline.engines.continuous import EOS_CHECK_EVERY
+
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64)
+    hook = end_with_probability(model, 1, 0.03)
+    try:
+        engine.generate(_request(batch=128, new=256, seed=4), 0)   # compiles
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.generate(_request(batch=128, new=256, seed=7), 0)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        hook.remove()
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    looks = engine.last_stats["decode_steps"] // EOS_CHECK_EVERY
+    print(f"{len(syncs)} synchronizing operations over a request of {looks} looks and "
+          f"{engine.last_stats['prefill_passes']} prefill passes: {sorted(set(syncs))}")
+    assert engine.last_stats["prefill_passes"] > 4 and looks > 20
+    assert len(syncs) < looks / 2, syncs
