@@ -113,6 +113,7 @@ class CudaGraphEngine:
         carried = request.carried   # a partial rollout's unfinished groups go first
         prompts, groups = [row.prompt_ids for row in carried] + prompts, [row.group_id for row in carried] + groups
         width = bucket_length(max(len(p) for p in prompts), self.prompt_bucket)
+        _require_full_attention(self.model.config, width + request.max_new_tokens)
         # Slots from the memory free now, re-read for every request; an out-of-memory error
         # halves them and runs the request again.
         self.batch = self._plan(len(prompts), width, width + request.max_new_tokens)
@@ -226,6 +227,21 @@ class CudaGraphEngine:
                     param.copy_(state[name], non_blocking=True)
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _require_full_attention(config, length: int) -> None:
+    """The slots attend over a whole window (prompt and response); a model whose layers
+    attend to a sliding window of fewer tokens would compute something else."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)   # what the model's forward goes by, where it has them
+    slides = "sliding_attention" in layer_types if layer_types is not None else getattr(config, "use_sliding_window",
+                                                                                            True)
+    if not window or not slides or window >= length:
+        return
+    raise ValueError(f"the cuda_graph rollout engine attends to whole sequences, and this model's layers attend "
+                     f"to the last {window} tokens only, fewer than a sequence here ({length}: prompt width and "
+                     f"max_new_tokens). Fix: set the rollout role's strategy to hf or vllm, or keep prompts and "
+                     f"max_new_tokens within {window} tokens")
 
 
 def _is_tied_alias(model, name: str) -> bool:

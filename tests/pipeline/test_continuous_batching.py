@@ -200,3 +200,18 @@ def test_acting_on_the_last_look_serves_the_same_sequences(model_and_tokenizer, 
     finally:
         hook.remove()
     assert steps[False] <= steps[True] <= steps[False] * 1.3, steps
+
+
+def test_a_sliding_window_shorter_than_a_sequence_is_refused(tmp_path):
+    """The slots attend over whole sequences: a model that attends to fewer tokens is told
+    to use another engine, not served something else."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=48,
+                         max_window_layers=0)
+    engine = CudaGraphEngine(Qwen2ForCausalLM(config).eval(), pad_id=0, eos_id=1, device="cpu", max_batch_size=8,
+                             prompt_bucket=16)
+    with pytest.raises(ValueError, match="last 48 tokens only.*Fix: set the rollout role's strategy to hf or vllm"):
+        engine.generate(GenerationRequest([[5, 6, 7]], [0], 2, 40, 1.0, 0), 0)   # 16 + 40 tokens
+    assert len(engine.generate(GenerationRequest([[5, 6, 7]], [0], 2, 32, 1.0, 0), 0)) == 2   # 16 + 32: served
