@@ -315,6 +315,9 @@ def main(argv=None) -> int:
                         help="response tokens the actor projects onto the vocabulary at once (0: the default)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     parser.add_argument("--work-dir", default=tempfile.mkdtemp(prefix="grpo-vs-trl-"))
+    parser.add_argument("--worker-alloc-conf", default=None, metavar="CONF",
+                        help="PYTORCH_CUDA_ALLOC_CONF for dask-rl's worker processes only (e.g. "
+                             "expandable_segments:True); TRL's process starts CUDA after it is unset")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     model_dir = str(save_qwen2_05b(args.model_dir))
@@ -331,8 +334,14 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(results, indent=2))
 
     for mb in args.micro_batches:
-        keep("dask-rl" if mb == args.micro_batches[0] else f"dask-rl, micro-batch {mb}",
-             run_dask_rl(model_dir, prompts, args, mb))
+        if args.worker_alloc_conf:   # the workers inherit the driver's environment; the driver has no CUDA yet
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.worker_alloc_conf
+        try:
+            keep("dask-rl" if mb == args.micro_batches[0] else f"dask-rl, micro-batch {mb}",
+                 run_dask_rl(model_dir, prompts, args, mb))
+        finally:
+            if args.worker_alloc_conf:
+                del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     if not args.skip_trl:
         keep("trl", run_trl(model_dir, prompts, args))
     batch = args.prompts_per_step * SAMPLES
