@@ -25,6 +25,10 @@ the step table):
 
     python benchmarks/slot_use.py --end-probability 0.004 --shrink-share 2 --partial 4 \
         --step-ms 256:4.21 128:2.915 64:2.355 32:2.23 16:2.168 8:2.123
+
+--looks lagged present runs each way of looking (continuous.LAGGED_LOOKS): acting on the last
+look's copy costs decode steps, which this counts; what it saves (the device waiting for the
+host at each look) is not on a CPU.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ def main(argv=None) -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--fill", type=int, default=2, help="partial rollouts: requests run before the timed ones")
+    parser.add_argument("--looks", nargs="+", choices=["lagged", "present"], default=["lagged"],
+                        help="act on the last look (the engine's default) or on the present; each is run")
     parser.add_argument("--request-groups", type=int, default=2,
                         help="partial rollouts: a request holds this many times a step's groups")
     args = parser.parse_args(argv)
@@ -102,7 +108,9 @@ def main(argv=None) -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, len(tokenizer), (args.sequences, args.prompt), generator=generator).tolist()
     request = GenerationRequest(prompts, list(range(args.sequences)), 1, args.new_tokens, 1.0, seed=1)
-    for probability in args.end_probability:
+    for probability, looks in [(p, look) for p in args.end_probability for look in args.looks]:
+        continuous.LAGGED_LOOKS = looks == "lagged"
+        print(f"{looks} looks:", flush=True)
         hook = end_with_probability(model, eos, probability)
         try:
             for share in args.shrink_share:
@@ -135,6 +143,7 @@ def main(argv=None) -> None:
                           f"({full:,.0f})", flush=True)
         finally:
             hook.remove()
+            continuous.LAGGED_LOOKS = True
 
 
 if __name__ == "__main__":
