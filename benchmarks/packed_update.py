@@ -17,7 +17,9 @@ as train.gradient_checkpointing defaults to. Two ways:
   element-wise work cost;
 - packed, compiled projection (--compile-projection): the auto budget with the projection
   onto the vocabulary (the head, the float32 log-softmax and entropy of each chunk of
-  response tokens, pipeline/roles/forward.py's _project) compiled.
+  response tokens, pipeline/roles/forward.py's _project) compiled;
+- packed, compile_model (--compile-model): both, as train.compile_model (the default) runs
+  the actor on a GPU.
 
 --profile runs the auto packed step once more under torch.profiler and prints the operators
 that took the most device time.
@@ -123,6 +125,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile-blocks", action="store_true", help="also run packed with compiled blocks")
     parser.add_argument("--compile-projection", action="store_true",
                         help="also run packed with the vocabulary projection compiled")
+    parser.add_argument("--compile-model", action="store_true",
+                        help="also run packed as train.compile_model does (blocks and projection compiled)")
     parser.add_argument("--profile", action="store_true", help="profile one auto packed step")
     parser.add_argument("--only", nargs="*", help="run only the ways whose name starts with one of these")
     parser.add_argument("--json", help="append the result as one JSON line to this file")
@@ -143,14 +147,16 @@ def main(argv=None) -> dict:
         ways += [("packed, compiled blocks", "auto", True, True, None)]
     if args.compile_projection:
         ways += [("packed, compiled projection", "auto", True, True, None)]
+    if args.compile_model:
+        ways += [("packed, compile_model", "auto", True, True, None)]
     eager_projection = forward._project
     if args.only:
         ways = [way for way in ways if way[0].startswith(tuple(args.only))]
     for name, micro_batch_size, pack, checkpointing, cap in ways:
         build = (lambda: compile_blocks(copy.deepcopy(initial))) if "blocks" in name else (lambda: copy.deepcopy(initial))
         forward._project = torch.compile(eager_projection, dynamic=True) if "projection" in name else eager_projection
-        trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda",
-                              gradient_checkpointing=checkpointing, role_name="actor")
+        trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda", gradient_checkpointing=checkpointing,
+                              compile_model=name.endswith("compile_model"), role_name="actor")
         if cap:
             trainable.allocator.max_tokens = cap
         began = time.perf_counter()

@@ -181,7 +181,8 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
             engine.generate(request(batch, prompt, new, seed=2), 0)
             for kv in kv_modes[:1] if probability == 0 else kv_modes:   # full length: no row is left
                 for share in refill_shares[:1] if probability == 0 else refill_shares:
-                    for mode, look in [(mode, look) for mode in prefill_modes for look in looks]:
+                    ways = [(mode, look) for mode in prefill_modes for look in looks]
+                    for mode, look in ways[:1] if probability == 0 else ways:   # full length: one way
                         continuous.REFILL_SHARE, continuous.LAGGED_LOOKS = share, look == "lagged"
                         engine.prefill_model = prefill_models[mode]
                         rows.append(_partial_row(engine, batch, prompt, new, probability, samples, requests,

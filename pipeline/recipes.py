@@ -30,7 +30,8 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
         "actor": functools.partial(actor.ActorRole, actor_dir, lr=tc.actor_lr,
                                    strategy=placement.role("actor").strategy, grad_clip=tc.grad_clip,
                                    dtype=tc.dtype, gradient_checkpointing=tc.gradient_checkpointing,
-                                   recovery_path=recovery_path(snapshot_dir, "actor"), weight_decay=tc.weight_decay),
+                                   compile_model=tc.compile_model, recovery_path=recovery_path(snapshot_dir, "actor"),
+                                   weight_decay=tc.weight_decay),
     }
     recipes["reward"] = functools.partial(reward.RewardRole, actor_dir, timeout=tc.reward_timeout,
                                           rewards=reward_specs(reward_model, tc.reward_weights, output_dir))
@@ -42,8 +43,8 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
         recipes["critic"] = functools.partial(
             critic.CriticRole, model_dir(critic_model, "critic"), lr=tc.critic_lr,
             strategy=placement.role("critic").strategy, grad_clip=tc.grad_clip,
-            gradient_checkpointing=tc.gradient_checkpointing, recovery_path=recovery_path(snapshot_dir, "critic"),
-            weight_decay=tc.weight_decay)
+            gradient_checkpointing=tc.gradient_checkpointing, compile_model=tc.compile_model,
+            recovery_path=recovery_path(snapshot_dir, "critic"), weight_decay=tc.weight_decay)
     return recipes
 
 

@@ -52,14 +52,14 @@ class PolicyStep:
 class ActorRole:
     def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str,
                  grad_clip: float = 1.0, dtype: str = "float32", gradient_checkpointing: bool = False,
-                 recovery_path: str | None = None, weight_decay: float = 0.0):
+                 compile_model: bool = False, recovery_path: str | None = None, weight_decay: float = 0.0):
         device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
         build = functools.partial(load_causal_lm, model_dir, dtype=getattr(torch, dtype))
         self.trainer = Trainable(build, lr=lr, strategy=strategy, device=device, grad_clip=grad_clip,
                                  weight_decay=weight_decay, gradient_checkpointing=gradient_checkpointing,
-                                 role_name="actor", recovery_path=recovery_path)
+                                 compile_model=compile_model, role_name="actor", recovery_path=recovery_path)
         self.device = device
 
     def close(self) -> None:

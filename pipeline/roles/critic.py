@@ -31,13 +31,14 @@ class CriticStep:
 
 class CriticRole:
     def __init__(self, model_dir: str, *, device: str = "auto", lr: float, strategy: str, grad_clip: float = 1.0,
-                 gradient_checkpointing: bool = False, recovery_path: str | None = None, weight_decay: float = 0.0):
+                 gradient_checkpointing: bool = False, compile_model: bool = False, recovery_path: str | None = None,
+                 weight_decay: float = 0.0):
         device = resolve_device(device)
         from pipeline.models import ValueModel
 
         self.trainer = Trainable(lambda: ValueModel(model_dir), lr=lr, strategy=strategy, device=device,
                                  grad_clip=grad_clip, weight_decay=weight_decay,
-                                 gradient_checkpointing=gradient_checkpointing,
+                                 gradient_checkpointing=gradient_checkpointing, compile_model=compile_model,
                                  role_name="critic", recovery_path=recovery_path)
         self.device = device
 

@@ -27,6 +27,28 @@ _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Models whose logits are exactly lm_head(base_model(...)): checked once per model object.
 _SEPARABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+# Models trained compiled (compile_for_training): their projection onto the vocabulary runs compiled too.
+_COMPILED: weakref.WeakSet = weakref.WeakSet()
+
+
+def compile_for_training(model) -> None:
+    """Compile `model`'s transformer blocks in place, and its projection onto the vocabulary,
+    with torch.compile (dynamic shapes: packed micro-batches and the last chunk of response
+    tokens vary). Eagerly a block's element-wise work (norms, rotary, activations, residuals)
+    is one kernel each and the projection's float32 log-softmax and entropy several passes
+    over a (tokens, vocabulary) block; compiled, they fuse. On an H100 one packed update of
+    the 0.5B shape took 1.41 s with compiled blocks and 1.37 s with a compiled projection,
+    against 2.11 s eagerly (benchmarks/packed_update.py)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    # The blocks share their code: each one's first call with a cache, grad mode or shape
+    # is a recompile of the same function, more than Dynamo's default limit of 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(blocks))
+    for block in blocks:
+        block.compile(dynamic=True)
+    _COMPILED.add(model)
+
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_length: int, temperature: float, pack: bool = False) -> torch.Tensor:
@@ -58,17 +80,19 @@ def _response_scores(model, input_ids, attention_mask, prompt_length: int, tempe
     targets = input_ids[:, prompt_length:]
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     separable = _separable(model, inputs, prompt_length, temperature)
+    project = _compiled_project if model in _COMPILED else _project
     if pack:
-        return _packed_scores(model, separable, input_ids, attention_mask, prompt_length, temperature, entropy_grad)
+        return _packed_scores(model, separable, project, input_ids, attention_mask, prompt_length, temperature,
+                              entropy_grad)
     if not separable:
         logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits[:, :-1]
         return _project_logits(logits, targets, temperature, entropy_grad)
     hidden = model.base_model(**inputs).last_hidden_state[:, prompt_length - 1:-1]
-    return _chunked_scores(model.get_output_embeddings(), hidden, targets, temperature, entropy_grad)
+    return _chunked_scores(model.get_output_embeddings(), hidden, targets, temperature, entropy_grad, project)
 
 
-def _packed_scores(model, separable: bool, input_ids, attention_mask, prompt_length: int, temperature: float,
-                   entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _packed_scores(model, separable: bool, project, input_ids, attention_mask, prompt_length: int,
+                   temperature: float, entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """_response_scores over the packed real tokens: the hidden states that predict real
     response tokens are gathered (T of them), scored, and scattered back to (B, R)."""
     packed = pack_rows(input_ids, attention_mask)
@@ -77,7 +101,7 @@ def _packed_scores(model, separable: bool, input_ids, attention_mask, prompt_len
     if separable:
         hidden = model.base_model(**packed.model_inputs()).last_hidden_state
         scores = _chunked_scores(model.get_output_embeddings(), hidden.flatten(0, 1)[predictors], targets,
-                                 temperature, entropy_grad)
+                                 temperature, entropy_grad, project)
     else:
         logits = model(**packed.model_inputs()).logits.flatten(0, 1)[predictors]
         scores = _project_logits(logits, targets, temperature, entropy_grad)
@@ -91,14 +115,16 @@ def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, tempera
 
 
 def _chunked_scores(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    entropy_grad: bool | None, project=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`project`: _project or its compiled form (_compiled_project)."""
+    project = project or _project
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     parts = []
     for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS):
         chunk = (head, flat_hidden[start:start + LOGIT_CHUNK_TOKENS], flat_targets[start:start + LOGIT_CHUNK_TOKENS],
                  temperature, entropy_grad)
-        parts.append(checkpoint(_project, *chunk, use_reentrant=False) if torch.is_grad_enabled()
-                     else _project(*chunk))
+        parts.append(checkpoint(project, *chunk, use_reentrant=False) if torch.is_grad_enabled()
+                     else project(*chunk))
     logprobs = torch.cat([p[0] for p in parts]).view(targets.shape)
     if entropy_grad is None:
         return logprobs, None
@@ -107,6 +133,9 @@ def _chunked_scores(head, hidden: torch.Tensor, targets: torch.Tensor, temperatu
 
 def _project(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy_grad: bool | None):
     return _project_logits(head(hidden), tokens, temperature, entropy_grad)
+
+
+_compiled_project = torch.compile(_project, dynamic=True)   # compiles on its first call
 
 
 def _project_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
@@ -135,8 +164,9 @@ def _separable(model, inputs: dict, prompt_length: int, temperature: float) -> b
         row = {k: v[:1] for k, v in inputs.items()}
         targets = row["input_ids"][:, prompt_length:]
         with torch.no_grad():
-            whole = logprobs_from_logits(model(**row).logits[:, prompt_length - 1:-1], targets, temperature)
-            hidden = model.base_model(**row).last_hidden_state[:, prompt_length - 1:-1]
+            whole = logprobs_from_logits(model(**row, use_cache=False).logits[:, prompt_length - 1:-1], targets,
+                                         temperature)
+            hidden = model.base_model(**row, use_cache=False).last_hidden_state[:, prompt_length - 1:-1]
             split = _chunked_logprobs(head, hidden, targets, temperature)
         low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
         separable = torch.allclose(whole, split, rtol=0, atol=2e-2 if low_precision else 1e-4)

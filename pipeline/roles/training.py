@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.roles.forward import compile_for_training
 from pipeline.roles.optimizer_step import MicroBatchedSteps
 from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
 from resources.allocator import MicroBatchAllocator
@@ -49,11 +50,13 @@ class Trainable(MicroBatchedSteps):
 
     def __init__(self, build_model: Callable[[], nn.Module], *, lr: float, strategy: str, device: str,
                  grad_clip: float = 1.0, weight_decay: float = 0.0, gradient_checkpointing: bool = False,
-                 role_name: str = "trainable", recovery_path: str | None = None):
+                 compile_model: bool = False, role_name: str = "trainable", recovery_path: str | None = None):
         self.build_model = build_model   # kept: a resize rebuilds an unsharded model
         self.role_name = role_name       # for messages
         self.device = device
         self.gradient_checkpointing = gradient_checkpointing
+        # Compiled on GPUs only: on a CPU (tests, laptops) a compile costs more than it saves.
+        self.compile_model = compile_model and torch.device(device).type == "cuda"
         self.model = self._build()
         self.strategy = strategy
         self.grad_clip = grad_clip
@@ -87,6 +90,8 @@ class Trainable(MicroBatchedSteps):
                 enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 blocks.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.compile_model:
+            compile_for_training(model)
         return model
 
     def _make_optimizer(self) -> torch.optim.Optimizer:

@@ -137,7 +137,9 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
     assert slot_counts[-1] == 64 and slot_counts[0] <= 16, slot_counts   # the tail moved into fewer slots
     largest = max(engine._caches.values(), key=lambda cache: cache.slots)
     assert sum(cache.nbytes for cache in engine._caches.values()) == largest.nbytes, "fewer slots: views"
-    assert stats["slot_use"] > 0.7
+    # Rows of mean length 37 and a look every 8 steps acted on one look late: a slot's last
+    # look costs it a fifth of a row's life here (0.70 when the looks waited for the device).
+    assert stats["slot_use"] > 0.65
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a second request must not recompile"
 
 
@@ -185,19 +187,36 @@ def test_partial_rollouts_under_captured_graphs_continue_rows_and_fill_more_slot
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "carried rows must not recompile"
 
 
-def test_refills_and_moves_launch_without_waiting_for_the_device(model):
+def test_refills_and_moves_launch_without_waiting_for_the_device(model, monkeypatch):
     """Between two looks the decode loop never waits for the GPU: refills (prefill passes)
     and moves into fewer slots are launched behind the steps already queued, and each look
     waits only for its own copy. Counted with torch's sync debug mode over a whole long-tailed
-    request: what syncs is the request's start and end, not its dozens of looks."""
+    request, the looks' own waits left out: what syncs is the request's start and end, not
+    its dozens of looks and prefill passes."""
+    import collections
     import warnings
+    from pathlib import Path
 
-    from pipeline.engines.continuous import EOS_CHECK_EVERY
+    from pipeline.engines.continuous import EOS_CHECK_EVERY, SlotRun
+
+    looked = SlotRun._look
+
+    def look_unwatched(run):   # the wait a look is for is not counted
+        wait = looked(run)
+
+        def waited():
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return wait()
+            finally:
+                torch.cuda.set_sync_debug_mode("warn")
+        return waited
 
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64)
     hook = end_with_probability(model, 1, 0.03)
     try:
         engine.generate(_request(batch=128, new=256, seed=4), 0)   # compiles
+        monkeypatch.setattr(SlotRun, "_look", look_unwatched)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -207,9 +226,10 @@ def test_refills_and_moves_launch_without_waiting_for_the_device(model):
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         hook.remove()
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    places = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                 if "synchronizing CUDA operation" in str(w.message))
     looks = engine.last_stats["decode_steps"] // EOS_CHECK_EVERY
-    print(f"{len(syncs)} synchronizing operations over a request of {looks} looks and "
-          f"{engine.last_stats['prefill_passes']} prefill passes: {sorted(set(syncs))}")
+    print(f"synchronizing operations besides the looks' waits, over a request of {looks} looks and "
+          f"{engine.last_stats['prefill_passes']} prefill passes: {dict(places)}")
     assert engine.last_stats["prefill_passes"] > 4 and looks > 20
-    assert len(syncs) < looks / 2, syncs
+    assert sum(places.values()) <= 8, places   # the request's start and end

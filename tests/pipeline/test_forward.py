@@ -86,3 +86,39 @@ def test_gradient_checkpointing_leaves_the_gradient_unchanged(tiny_model, checkp
         layers = [m for m in trainable.model.modules() if getattr(m, "gradient_checkpointing", False) is True]
         assert layers and all(m.training for m in layers)
         assert not any(m.training for m in trainable.model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_as_the_eager_one(tiny_model):
+    """compile_for_training (train.compile_model, on GPUs): compiled blocks and projection
+    (Inductor on this CPU) compute the eager logprobs, entropies and gradients, packed, with
+    checkpointing, over micro-batches of different shapes (dynamic: no compile per shape)."""
+    import torch._dynamo.utils
+
+    results = []
+    for compiled in (False, True):
+        model = load_causal_lm(tiny_model).train()
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compiled:
+            forward.compile_for_training(model)
+        grads, scores = [], []
+        for response in (7, 9, 12):
+            ids, mask, prompt = _batch(model.config.vocab_size, response=response)
+            model.zero_grad()
+            logp, entropy = forward.response_logprobs_and_entropy(model, ids, mask, prompt, 0.7, entropy_grad=False,
+                                                                  pack=True)
+            (logp * mask[:, prompt:]).sum().backward()
+            scores.append((logp.detach(), entropy))
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            if compiled and response == 9:
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        results.append((scores, grads))
+        assert (model in forward._COMPILED) == compiled
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a new length must not recompile"
+    (eager_scores, eager_grads), (compiled_scores, compiled_grads) = results
+    for (a_logp, a_entropy), (b_logp, b_entropy) in zip(eager_scores, compiled_scores):
+        torch.testing.assert_close(b_logp, a_logp, rtol=0, atol=1e-5)
+        torch.testing.assert_close(b_entropy, a_entropy, rtol=0, atol=1e-5)
+    for a, b in zip(eager_grads, compiled_grads):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
