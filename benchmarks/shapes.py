@@ -75,8 +75,7 @@ def end_with_probability(model, eos_id: int, probability):
         return math.log(probability / (1 - probability))
 
     def hook(module, args, logits):
-        eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        eos[eos_id] = True
+        eos = torch.arange(logits.shape[-1], device=logits.device) == eos_id   # (setting one item would sync)
         # exp(target) / (sum of the others' exp + exp(target)) = probability, exactly.
         target = logits.float().masked_fill(eos, float("-inf")).logsumexp(-1, keepdim=True).detach() + shift()
         return torch.where(eos, target.to(logits.dtype), logits)

@@ -420,8 +420,11 @@ class SlotRun:
         self.lengths[sequences] = prior + 1
         self.token[rows], self.sequence[rows], self.generated[rows] = token, sequences, prior + 1
         self.active[rows] = ~torch.isin(token, self.stop_ids) & (self.max_new > prior + 1)
-        self.mask[rows] = False
-        self.mask[rows[:, None], 0, 0, columns[None, :]] = prompt_mask.bool()
+        # Each slot's mask row: its prefix's real columns only (scatter and index_copy: an index
+        # put broadcasting (k, 1) rows against (1, W) columns waited for the device).
+        mask_rows = torch.zeros((len(slots), self.length), dtype=torch.bool, device=self.device)
+        mask_rows.scatter_(1, columns.expand(len(slots), -1), prompt_mask.bool())
+        self.mask.view(-1, self.length).index_copy_(0, rows, mask_rows)
         self.position[rows, 0] = prompt_mask.sum(-1)
         timing()
 
