@@ -93,9 +93,10 @@ class TrainConfig:
     # Actor and critic recompute each transformer block in the backward pass instead of
     # keeping its activations: far less GPU memory for about a third more update compute.
     gradient_checkpointing: bool = True
-    # On GPUs the actor and critic compile each transformer block, and the actor its
-    # projection onto the vocabulary, with torch.compile (dynamic shapes: one compile serves
-    # every micro-batch): the first update takes ~15 s longer, each after it far less.
+    # On GPUs (not under FSDP) the actor and critic compile each transformer block, and the
+    # actor its projection onto the vocabulary, with torch.compile (dynamic shapes: one
+    # compile serves every micro-batch): the first update takes ~20 s longer, each after it
+    # about half as long.
     compile_model: bool = True
     is_cap: float = 2.0               # truncation of the behaviour-policy importance weight
     max_staleness: int = 0            # 0 = on-policy; N = rollouts may be N versions old

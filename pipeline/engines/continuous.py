@@ -132,9 +132,10 @@ class HeldRows:
 class SlotRun:
     """The state of one request in the slots; `run()` -> (N, T) tokens and logprobs.
 
-    `engine` provides: model, prefill_model (the model or its compiled forward), device, pad_id, eos_id, decode (ids -> text), compiled,
-    prompt_bucket, fewest_slots (the tail shrinks no lower), check_every (decode steps between two looks at the device; None: the
-    device's default),
+    `engine` provides: model, prefill_model (the model or its compiled forward), device, pad_id,
+    eos_id, decode (ids -> text), compiled, prompt_bucket, fewest_slots (the tail shrinks no
+    lower), check_every (decode steps between two looks at the device; None: the device's
+    default),
     `_decode(token, position_ids, column, mask, cache, temperature, top_k, top_p, min_p)`
     (one decode step, maybe captured) and `_cache(slots, length)` (a SlotCache).
     """

@@ -69,6 +69,9 @@ class CudaGraphEngine:
         fewest_slots: the tail of a request moves into fewer slots, down to this many
             (default: continuous.FEWEST_CAPTURED_SLOTS when compiling, where each slot count
             is a graph to compile, else 8).
+        compile_prefill: prefill passes through torch.compile too (dynamic shapes, no
+            graphs; default off: measured at full length only, 0.060 against 0.097 s for a
+            32 k-token pass on an H100).
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
         check_every: decode steps between two looks at the device (default: a GPU's
             continuous.EOS_CHECK_EVERY, every step on a CPU, where looking costs nothing).

@@ -56,7 +56,9 @@ class Trainable(MicroBatchedSteps):
         self.device = device
         self.gradient_checkpointing = gradient_checkpointing
         # Compiled on GPUs only: on a CPU (tests, laptops) a compile costs more than it saves.
-        self.compile_model = compile_model and torch.device(device).type == "cuda"
+        # Not under FSDP, which shards the blocks after they are built: compiling before
+        # sharding is a combination no test here has run.
+        self.compile_model = compile_model and torch.device(device).type == "cuda" and strategy != "fsdp"
         self.model = self._build()
         self.strategy = strategy
         self.grad_clip = grad_clip
