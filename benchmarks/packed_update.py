@@ -82,10 +82,12 @@ def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool) -
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    trainable.optimizer_step(lambda rows: (batch.select(rows), None), len(batch), loss, max_rows=micro_batch_size,
-                             tokens_per_row=batch.input_ids.shape[1], row_tokens=computed_tokens(batch, pack))
+    stats = trainable.optimizer_step(lambda rows: (batch.select(rows), None), len(batch), loss,
+                                     max_rows=micro_batch_size, tokens_per_row=batch.input_ids.shape[1],
+                                     row_tokens=computed_tokens(batch, pack))
     torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - start, "computed_tokens": sum(computed),
+            "grad_norm": stats["grad_norm"], "policy_loss": stats["policy_loss"], "entropy_sum": stats["entropy_sum"],
             "real_tokens": int(batch.attention_mask.sum()), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "micro_batches": len(computed), "token_budget": trainable.micro_batch_tokens}
