@@ -159,7 +159,8 @@ class SlotRun:
         self.stop_ids = torch.tensor(stop_ids_of(request, engine.eos_id), dtype=torch.long, device=device)
         self.columns = torch.arange(self.length, device=device)
         self.column = 0            # the ring column the next decode step writes (a host int: no sync)
-        self.check_every = engine.check_every or (EOS_CHECK_EVERY if torch.device(device).type == "cuda" else 1)
+        self.on_cuda = torch.device(device).type == "cuda"
+        self.check_every = engine.check_every or (EOS_CHECK_EVERY if self.on_cuda else 1)
         self.stats = {"slots": slots}
         # The most tokens (rows x padded width) one prefill pass holds: what the engine's
         # memory plan counted for the request's prompts. A partial rollout's first refill can
@@ -251,7 +252,7 @@ class SlotRun:
         seconds_at: Counter[int] = Counter()      # their wall time, read at the sync points
         steps, clock = 0, time.perf_counter()
         lagged = LAGGED_LOOKS and not self.request.stop_strings
-        look = self._look() if lagged else None   # the live flags as of the last look, on their way
+        look = self._look() if lagged else None   # the slots as of the last look, on their way
         while True:   # the prefill recorded each sequence's first token
             slots = self.cache.slots              # changes only at a sync point (_schedule)
             self._decode()
@@ -259,9 +260,9 @@ class SlotRun:
             steps_at[slots] += 1
             steps += 1
             if steps % self.check_every == 0:
-                active = look() if lagged else self._present()   # waits for the device up to that look
+                active, sequences = look() if lagged else self._present()   # waits for the device up to that look
                 synced = time.perf_counter()
-                done = not self._schedule(active)
+                done = not self._schedule(active, sequences)
                 if lagged and not done:
                     look = self._look()           # after _schedule's refills and moves: it sees them
                 now = time.perf_counter()
@@ -271,7 +272,7 @@ class SlotRun:
                 if done:
                     break
         if self.request.complete_groups:          # what is unfinished now, not at the look
-            self.unfinished = self._unfinished(self._present())
+            self.unfinished = self._unfinished(*self._present())
         self.stats["decode_steps"] = steps
         self.stats["decode_steps_at"] = dict(steps_at)
         # Wall time per decode step at each slot count (prefills included): the tail's floor.
@@ -323,14 +324,14 @@ class SlotRun:
         self.position += 1
         self.column = (self.column + 1) % self.length
 
-    def _schedule(self, active: torch.Tensor) -> bool:
-        """At a sync point (`active`: the slots' live flags at the last look): end rows at stop
-        strings, refill free slots from the queue, or move the live rows into fewer slots once
-        the queue is empty. False: all done."""
+    def _schedule(self, active: torch.Tensor, sequences: torch.Tensor) -> bool:
+        """At a sync point (`active`: the slots' live flags at the last look, `sequences`: what
+        each slot held then): end rows at stop strings, refill free slots from the queue, or
+        move the live rows into fewer slots once the queue is empty. False: all done."""
         if self.request.stop_strings:
             self._end_at_stop_strings()
-            active = self._present()
-        if self.request.complete_groups and self._groups_complete(active):
+            active, sequences = self._present()
+        if self.request.complete_groups and self._groups_complete(active, sequences):
             return False
         free = (~active).nonzero().flatten().tolist()
         live, slots = len(active) - len(free), len(active)
@@ -344,34 +345,33 @@ class SlotRun:
             self._shrink(active)
         return True
 
-    def _groups_complete(self, active: torch.Tensor) -> bool:
+    def _groups_complete(self, active: torch.Tensor, sequences: torch.Tensor) -> bool:
         """Partial rollouts: whether the request can end here, i.e. `complete_groups` groups
         have every sample finished and no row that must end this time is live. A row
         finished at a look stays finished, so a late look only ends the request later."""
-        finished = ~self._unfinished(active)
+        finished = ~self._unfinished(active, sequences)
         if (self.must_end & ~finished).any():
             return False
         done = torch.bincount(self.group_index, weights=finished.double(), minlength=len(self.group_sizes))
         return int((done == self.group_sizes).sum()) >= self.request.complete_groups
 
-    def _present(self) -> torch.Tensor:
-        """The slots' live flags (and sequences) now: waits for every step launched."""
-        self._slot_sequences = self.sequence.cpu()
-        return self.active.cpu()
+    def _present(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots' live flags and the sequence each holds, now: waits for every step launched."""
+        return self.active.cpu(), self.sequence.cpu()
 
-    def _unfinished(self, active: torch.Tensor) -> torch.Tensor:
-        """(N,) bool: the sequences live in a slot (per `active`) or still waiting."""
+    def _unfinished(self, active: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: the sequences live in a slot (per `active` and `sequences`) or still waiting."""
         unfinished = ~self.started
-        unfinished[self._slot_sequences[active]] = True
+        unfinished[sequences[active]] = True
         return unfinished
 
-    def _look(self) -> Callable[[], torch.Tensor]:
-        """Start copying the slots' live flags (and which sequence each slot holds) to the
-        host; the returned function waits for the copy, not for the steps launched after it,
-        and returns the flags."""
-        if torch.device(self.device).type != "cuda":
-            self._slot_sequences, active = self.sequence.clone(), self.active.clone()
-            return lambda: active
+    def _look(self) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Start copying the slots' live flags and the sequence each holds to the host; the
+        returned function waits for the copy, not for the steps launched after it, and
+        returns both."""
+        if not self.on_cuda:
+            seen = self.active.clone(), self.sequence.clone()
+            return lambda: seen
         active = torch.empty(self.active.shape, dtype=torch.bool, pin_memory=True)
         sequences = torch.empty(self.sequence.shape, dtype=torch.long, pin_memory=True)
         active.copy_(self.active, non_blocking=True)
@@ -379,10 +379,9 @@ class SlotRun:
         copied = torch.cuda.Event()
         copied.record()
 
-        def wait() -> torch.Tensor:
+        def wait() -> tuple[torch.Tensor, torch.Tensor]:
             copied.synchronize()
-            self._slot_sequences = sequences
-            return active
+            return active, sequences
         return wait
 
     @torch.no_grad()   # also called while the run is set up
@@ -433,14 +432,14 @@ class SlotRun:
         """Host values (ints) on the device, without waiting for the steps launched before:
         a copy from pageable memory would wait for all of them, a pinned one does not."""
         host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-        if torch.device(self.device).type != "cuda":
+        if not self.on_cuda:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _prefill_timing(self):
         """Starts timing a prefill pass; the returned function ends it. On CUDA a pair of
         events (read once, at the end of the run), elsewhere the wall clock."""
-        if torch.device(self.device).type == "cuda":
+        if self.on_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self._prefill_events.append((start, end))
