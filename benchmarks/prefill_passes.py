@@ -1,12 +1,13 @@
 """What one prefill pass of the cuda_graph engine costs, by its size: the forward that
 continuous.SlotRun._prefill runs when free slots take new prompts (prompts left-padded to
---width, written into a slot cache, the first token's logits only).
+--width, with the engine's prefill mask, written into a slot cache, the first token's logits
+only).
 
 With partial_keep_kv a long-tailed request's new prompts arrive in one pass per refill, about
 4 k tokens each, and on an H100 eight such passes took 0.26 s against 0.09 s for one pass of
 32 k tokens (benchmarks/RESULTS.md, session 12). This times passes of each --rows on their own,
-eager and (with --compile) with the forward compiled by torch.compile with dynamic shapes and
-no CUDA graphs, so the fixed cost of a pass and what compiling saves read off one table:
+eager and (with --compile) as the engine's compile_prefill runs them (torch.compile, dynamic
+shapes, no CUDA graphs), so the fixed cost of a pass and what compiling saves read off one table:
 
     python benchmarks/prefill_passes.py --rows 16 32 64 128 256 --compile
 
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import save_qwen2_05b  # noqa: E402
 
+from pipeline.engines.continuous import prefill_mask  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm  # noqa: E402
 
@@ -48,7 +50,8 @@ def time_pass(forward, cache, rows: int, width: int, ring: int, device: str,
             start.record()
         began = time.perf_counter()
         with torch.no_grad():
-            logits = forward(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            logits = forward(input_ids=ids, attention_mask=prefill_mask(mask),
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                     use_cache=False, logits_to_keep=1, slot_cache=cache, slot_rows=slots,
                     slot_columns=columns).logits[:, -1].float()
         if device == "cuda":
@@ -74,12 +77,13 @@ def main(argv=None) -> int:
     model_dir = args.model_dir or str(Path(tempfile.gettempdir()) / f"dask-rl-qwen2-0.5b-{args.layers}l")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = load_causal_lm(save_qwen2_05b(model_dir, layers=args.layers), device=device, dtype=dtype).eval()
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=device, max_batch_size=max(args.rows))
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=device, max_batch_size=max(args.rows),
+                             compile_prefill=args.compile)
     ring = args.width + args.new_tokens
     cache = engine._cache(engine.max_batch_size, ring)
-    modes = {"eager": model}
+    modes = {"eager": engine.model}
     if args.compile:
-        modes["compiled"] = torch.compile(model, dynamic=True)
+        modes["compiled"] = engine.prefill_model
     print(f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}, "
           f"{args.layers} layers, prompts of {args.width} tokens", flush=True)
     logits = {}
