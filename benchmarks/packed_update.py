@@ -103,16 +103,6 @@ def profile(trainable: Trainable, batch: Experience, micro_batch_size, pack: boo
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
-def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """Each transformer block compiled in place (dynamic shapes: packed micro-batches vary).
-    Blocks share their code, so every block's first call with a cache (the separability
-    check) is a recompile: more than Dynamo's default limit of 8."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
-    for block in model.model.layers:
-        block.compile(dynamic=True)
-    return model
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -155,8 +145,12 @@ def main(argv=None) -> dict:
     if args.only:
         ways = [way for way in ways if way[0].startswith(tuple(args.only))]
     for name, micro_batch_size, pack, checkpointing, cap in ways:
-        build = (lambda: compile_blocks(copy.deepcopy(initial))) if "blocks" in name else (lambda: copy.deepcopy(initial))
-        forward._project = torch.compile(eager_projection, dynamic=True) if "projection" in name else eager_projection
+        def build(compiled_blocks="blocks" in name):
+            model = copy.deepcopy(initial)
+            if compiled_blocks:
+                forward.compile_blocks(model)
+            return model
+        forward._project = forward._compiled_project if "projection" in name else eager_projection
         trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda", gradient_checkpointing=checkpointing,
                               compile_model=name.endswith("compile_model"), role_name="actor")
         if cap:
