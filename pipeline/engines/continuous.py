@@ -35,15 +35,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from pipeline.engines.held_rows import HeldRows, row_key
 from pipeline.engines.hf import left_pad, stop_ids_of
 from pipeline.engines.sampling import sample_tokens, stop_string_end
-from pipeline.engines.slots import SlotCache
-from pipeline.records import CarriedRow, GenerationRequest
+from pipeline.records import GenerationRequest
 
 # Decode steps between two looks at the device (each is a device-to-host sync): 8 steps of
 # overshoot after a sequence ends cost less than a sync every step.
@@ -99,34 +98,6 @@ def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
     mask = causal & prompt_mask.bool()[:, None, None, :]
     return mask | ~mask.any(-1, keepdim=True)
-
-
-def row_key(group_id: int, prompt_ids, response_ids) -> tuple:
-    """What identifies a carried row between two requests: its group and its tokens."""
-    return group_id, tuple(prompt_ids), tuple(response_ids)
-
-
-@dataclass
-class HeldRows:
-    """The rows a partial request left live in its decode slots, for the next request.
-
-    Their keys and values (computed by the weights that generated them) are in `cache`'s
-    slots; `state` holds each slot's decode state (tokens so far, next rotary position,
-    ring mask, the sampled token not yet fed) and `column` the ring column the next step
-    writes. A request continues a row only while nothing else used the cache since."""
-
-    cache: SlotCache
-    column: int
-    slots: dict[tuple, list[int]]     # row_key -> the slots holding a row of that content
-    state: dict[str, torch.Tensor]    # name -> per-slot tensor (generated, position, mask, token)
-
-    def take(self, row: CarriedRow) -> int | None:
-        """The slot `row` goes on in, or None. Two samples of a group may hold the same
-        tokens so far: each takes one of their slots (with the same content they are alike)."""
-        if row.ended:
-            return None
-        slots = self.slots.get(row_key(row.group_id, row.prompt_ids, row.response_ids))
-        return slots.pop() if slots else None
 
 
 class SlotRun:

@@ -38,7 +38,8 @@ from typing import Callable
 import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
-from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, HeldRows, SlotRun, bucket_batch, bucket_length
+from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, SlotRun, bucket_batch, bucket_length
+from pipeline.engines.held_rows import HeldRows
 from pipeline.engines.hf import (
     PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
 )

@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from pipeline.engines.continuous import HeldRows, prefill_passes, row_key
+from pipeline.engines.continuous import prefill_passes
+from pipeline.engines.held_rows import HeldRows, row_key
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
