@@ -22,6 +22,24 @@ SHARED_LAYOUT = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_under_pytest(tmp_path_factory):
+    """Run outputs made without an output_dir (trainers, examples, the CLI) are kept for
+    their user under the system's temp directory; in tests they go under pytest's own
+    base directory, which pytest prunes, instead of piling up in /tmp."""
+    import tempfile
+
+    directory = str(tmp_path_factory.mktemp("tmp"))
+    before_dir, before_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir, os.environ["TMPDIR"] = directory, directory
+    yield
+    tempfile.tempdir = before_dir
+    if before_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before_env
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from pipeline.models import create_tiny_model
