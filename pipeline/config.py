@@ -296,13 +296,6 @@ class TrainConfig:
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
 
-    @property
-    def published_versions(self) -> int:
-        """Policy versions the actor keeps readable. A batch submitted at version v is trained
-        on (or dropped) before version v + max_staleness + 1 is published, so a rollout never
-        needs a version older than the newest max_staleness + 1. Under CUDA IPC each one is a
-        full copy of the weights on the actor's GPU: no more are kept than that."""
-        return self.max_staleness + 1
 
 
 def shown(value: Any) -> str:

@@ -64,8 +64,9 @@ class InFlightBatch:
 
 class InFlight:
     def __init__(self, fleet, prompts: PromptStream, train_config: TrainConfig, roles: tuple[str, ...],
-                 stop_token_ids: tuple[int, ...] = ()):
+                 stop_token_ids: tuple[int, ...] = (), evaluates: bool = False):
         self.fleet, self.prompts, self.train_config, self.roles = fleet, prompts, train_config, roles
+        self.evaluates = evaluates   # held-out evaluations read published weights too
         self.stop_token_ids = stop_token_ids  # the model's ends of turn (models.stop_token_ids)
         self._pending: deque[InFlightBatch] = deque()
         self._submitted = 0
@@ -85,6 +86,14 @@ class InFlight:
                 + ("; rows still decoding keep their keys and values" if train_config.partial_keep_kv else ""))
         else:
             self.ahead = train_config.max_staleness
+
+    @property
+    def published_versions(self) -> int:
+        """Policy versions the actor keeps readable; under CUDA IPC each is a full copy of the
+        weights on its GPU. A batch loads the version current when it was submitted, at most
+        `ahead` updates before it starts generating: those versions and the newest. An
+        evaluation may still be loading the newest while the next one is published: one more."""
+        return self.ahead + 1 + int(self.evaluates)
 
     def next(self, version: int, weights) -> InFlightBatch:
         """The oldest in-flight batch no more than max_staleness versions old (older ones are

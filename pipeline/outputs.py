@@ -124,8 +124,7 @@ class RunOutputs:
         if found is None:
             return 0
         path, state = found
-        states.restore_states(fleet, self.roles, path, state["policy_version"],
-                              self.train_config.published_versions)
+        states.restore_states(fleet, self.roles, path, state["policy_version"], batches.published_versions)
         checkpoint.restore_rng(path)
         batches.resume_from(state["next_batch"], state["prompt_position"])
         batches.restore_carried(tuple(CarriedRow(**row) for row in state.get("carried_rows", ())))

@@ -114,9 +114,10 @@ class HybridTrainer:
                                critic_model=critic_model, reference_model=reference_model,
                                snapshot_dir=snapshot_dir)
         self.fleet.register(recipes, torch_threads=None if config.uses_cuda else 1)  # CPU roles share few cores
-        self.batches = InFlight(self.fleet, self.prompts, tc, self.roles, self.stop_token_ids)
+        self.batches = InFlight(self.fleet, self.prompts, tc, self.roles, self.stop_token_ids,
+                                evaluates=eval_stream is not None)
         self.evaluation = None if eval_stream is None else Evaluation(self.fleet, eval_stream, tc, self.stop_token_ids)
-        self.update = PolicyUpdate(self.fleet, tc, self.roles)
+        self.update = PolicyUpdate(self.fleet, tc, self.roles, keep_versions=self.batches.published_versions)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
         link = self.fleet.cluster.dashboard_link
         print(f"dask-rl: scheduler at {self.fleet.client.scheduler.address} (for `dask-rl worker` and "

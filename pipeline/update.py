@@ -28,10 +28,11 @@ logger = logging.getLogger("dask_rl")
 class PolicyUpdate:
     """`update(experience)` -> the step's losses; the actor's new weights are published."""
 
-    def __init__(self, fleet: Fleet, train_config: TrainConfig, roles: tuple[str, ...]):
+    def __init__(self, fleet: Fleet, train_config: TrainConfig, roles: tuple[str, ...], keep_versions: int):
         self.fleet = fleet
         self.train_config = train_config
         self.roles = roles
+        self.keep_versions = keep_versions   # published versions the actor keeps (InFlight.published_versions)
         # role -> rows per micro-batch after an out-of-memory error on a sharded rank, kept
         # here for the rest of the run: the ranks restarted to free the group forget it.
         self.micro_batch_caps: dict[str, int] = {}
@@ -101,7 +102,7 @@ class PolicyUpdate:
             temperature=tc.temperature, micro_batch_size=self._micro_batch_size("actor"), epochs=tc.ppo_epochs,
             is_cap=tc.is_cap, normalizers=normalizers, next_version=self.fleet.version + 1,
             snapshot_dir=fleet.snapshot_dir, transport=fleet.publish_transport(),
-            keep_versions=tc.published_versions, recovery_path=self._recovery_path("actor"),
+            keep_versions=self.keep_versions, recovery_path=self._recovery_path("actor"),
             clip_ratio_high=tc.clip_ratio_high, clip_ratio_c=tc.clip_ratio_c, policy_loss=tc.policy_loss,
             loss_agg_mode=tc.loss_agg_mode, sequence_counts=sequences, horizon=float(tc.max_new_tokens),
             entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor, pack_sequences=tc.pack_sequences)
