@@ -119,6 +119,7 @@ class HybridTrainer:
         self.evaluation = None if eval_stream is None else Evaluation(self.fleet, eval_stream, tc, self.stop_token_ids)
         self.update = PolicyUpdate(self.fleet, tc, self.roles, keep_versions=self.batches.published_versions)
         self.first_step = self.outputs.restore(self.fleet, self.batches, resume_from)  # steps done before
+        self.update.warm_up()   # the actor compiles its update while the first batch generates
         link = self.fleet.cluster.dashboard_link
         print(f"dask-rl: scheduler at {self.fleet.client.scheduler.address} (for `dask-rl worker` and "
               f"`dask-rl scale`); dashboard at {link}, RL page {link.rsplit('/', 1)[0]}{monitor.PAGE}", flush=True)

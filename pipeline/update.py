@@ -33,6 +33,17 @@ class PolicyUpdate:
         self.train_config = train_config
         self.roles = roles
         self.keep_versions = keep_versions   # published versions the actor keeps (InFlight.published_versions)
+        self._warming: list = []             # the actor ranks' warm-ups, until the first update
+
+    def warm_up(self) -> None:
+        """Each actor rank compiles its update now, while the first batch generates, instead
+        of in the first update (actor.warm_up; nothing to do unless train.compile_model applies).
+        The first update queues behind it on each worker."""
+        tc = self.train_config
+        self._warming = [self.fleet.submit("actor", actor.warm_up, tc.temperature, tc.entropy_coef > 0,
+                                           tc.pack_sequences, tc.ppo_epochs * tc.mini_batches > 1,
+                                           tag="warm-up", workers=[address])
+                         for address in self.fleet.addresses("actor")]
         # role -> rows per micro-batch after an out-of-memory error on a sharded rank, kept
         # here for the rest of the run: the ranks restarted to free the group forget it.
         self.micro_batch_caps: dict[str, int] = {}
@@ -107,6 +118,8 @@ class PolicyUpdate:
             loss_agg_mode=tc.loss_agg_mode, sequence_counts=sequences, horizon=float(tc.max_new_tokens),
             entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor, pack_sequences=tc.pack_sequences)
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
+        warming, self._warming = self._warming, []
+        fleet.wait("actor", warming, "the actor's warm-up")   # done by now, or the update waits for it anyway
         if "critic" in self.roles:
             critic_step = critic.CriticStep(clip_range=tc.value_clip,
                                             micro_batch_size=self._micro_batch_size("critic"),

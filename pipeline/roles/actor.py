@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +17,12 @@ from pipeline.packing import computed_tokens
 from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
-from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy
+from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy, warm_up_batch
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 from resources.allocator import rows_per_micro_batch
+
+logger = logging.getLogger("dask_rl")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,30 @@ class ActorRole:
 
     def close(self) -> None:
         self.trainer.close()
+
+    def warm_up(self, temperature: float, entropy_grad: bool, pack: bool, proximal: bool) -> float | None:
+        """Compile a compiled actor's update now, on a made-up batch (forward.warm_up_batch),
+        so that the first update does not: the trainer asks for it at start, while the first
+        batch generates. Weights and optimizer state are left as they were. Returns the
+        seconds it took (None: nothing to compile)."""
+        if not self.trainer.compile_model:
+            return None
+        start = time.perf_counter()
+        model = self.trainer.model
+        ids, mask, prompt = warm_up_batch(model.config.vocab_size, self.device)
+
+        def loss(model):   # the forward of _loss; the graphs compile for its inputs' shapes and modes
+            logp, entropy = response_logprobs_and_entropy(model, ids, mask, prompt, temperature,
+                                                          entropy_grad=entropy_grad, pack=pack)
+            return logp.sum() + (entropy.sum() if entropy_grad else 0.0)
+
+        self.trainer.warm_up(loss)
+        if proximal:   # updates of several optimizer steps score the proximal policy first (_logprobs)
+            with torch.no_grad():
+                response_logprobs(model.eval(), ids, mask, prompt, temperature, pack=pack)
+        seconds = time.perf_counter() - start
+        logger.info("dask-rl: actor compiled its update in %.1f s, before its first batch", seconds)
+        return seconds
 
     def update(self, mini_batches: list[Experience], group: GroupInfo,
                step: PolicyStep) -> tuple[dict[str, float], weights.WeightHandle | None]:
@@ -149,6 +177,16 @@ def update(mini_batches: list[Experience], group: GroupInfo,
     if handle is not None:  # where readers on other hosts fetch it from (the Dask fallback)
         handle = dataclasses.replace(handle, address=get_worker().address)
     return stats, handle
+
+
+def warm_up(temperature: float, entropy_grad: bool, pack: bool, proximal: bool) -> float | None:
+    """Task: ActorRole.warm_up. A failure here costs the first update its head start, never
+    the run: the update compiles as it would have, and reports any real fault itself."""
+    try:
+        return role_state("actor").warm_up(temperature, entropy_grad, pack, proximal)
+    except Exception as error:  # noqa: BLE001 - see above
+        logger.warning("dask-rl: the actor's warm-up failed (%s); its first update compiles instead", error)
+        return None
 
 
 def export_state(path: str) -> str | None:

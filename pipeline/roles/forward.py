@@ -55,6 +55,20 @@ def compile_blocks(model) -> None:
         block.compile(dynamic=True)
 
 
+def warm_up_batch(vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids, attention mask, prompt length) of a small made-up batch shaped as an update's:
+    left-padded prompts, responses of different lengths cut by padding, more response tokens
+    than one projection chunk and not a multiple of it. Run through a compiled model it
+    compiles what the update's first micro-batch would (dynamic shapes: real lengths reuse it)."""
+    prompt, responses = 37, (LOGIT_CHUNK_TOKENS + 91, 203)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (len(responses), prompt + max(responses)), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0                          # a left-padded prompt
+    mask[1, prompt + responses[1]:] = 0      # a shorter response
+    return ids.to(device), mask.to(device), prompt
+
+
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_length: int, temperature: float, pack: bool = False) -> torch.Tensor:
     """(B, P+R) ids -> (B, R) log-probabilities of the response tokens under `model`.

@@ -59,6 +59,16 @@ class MicroBatchedSteps:
             totals = self._rows_step(take, num_rows, loss_fn, rows_per_micro_batch(max_rows), tokens_per_row)
         return self._apply_gradients(totals)
 
+    def warm_up(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> None:
+        """One backward of `loss_fn(model)` in the mode optimizer_step trains in, the
+        gradients then dropped: the weights and the optimizer's state stay as they were."""
+        self._eval_mode_with_checkpointing()
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            loss_fn(self.model).backward()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def _eval_mode_with_checkpointing(self) -> None:
         # Eval mode, i.e. dropout off, while computing gradients: the proximal log-probs and
         # old values come from eval-mode forwards, so with dropout on, on-policy ratios would

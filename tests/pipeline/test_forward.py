@@ -122,3 +122,38 @@ def test_a_compiled_model_trains_as_the_eager_one(tiny_model):
     for a, b in zip(eager_grads, compiled_grads):
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_actor_warm_up_compiles_its_update_and_leaves_its_state(tiny_model):
+    """ActorRole.warm_up, which the trainer asks for at start: only GPUs compile the actor
+    (train.compile_model), so its compiled state is set up here by hand, on this CPU. After the
+    warm-up the update's forwards and backwards, at other lengths, compile nothing new, and the
+    weights, gradients and optimizer state are as they were."""
+    import torch._dynamo.utils
+
+    from pipeline.roles.actor import ActorRole
+
+    role = ActorRole(tiny_model, device="cpu", lr=1e-2, strategy="none", gradient_checkpointing=True)
+    assert role.warm_up(0.7, entropy_grad=False, pack=True, proximal=False) is None   # nothing compiled here
+    model = role.trainer.model
+    role.trainer.compile_model = True   # what Trainable does on a GPU
+    forward.compile_for_training(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert role.warm_up(0.7, entropy_grad=False, pack=True, proximal=False) > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > compiled_before   # it compiled
+    assert all(p.grad is None for p in model.parameters()) and not role.trainer.optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for response in (300, 700):   # two updates' micro-batches
+        ids, mask, prompt = _batch(model.config.vocab_size, rows=3, prompt=24, response=response)
+
+        def loss(model, rows):
+            logp, _ = forward.response_logprobs_and_entropy(model, ids[rows], mask[rows], prompt, 0.7,
+                                                            entropy_grad=False, pack=True)
+            return -logp.mean(), {}
+
+        stats = role.trainer.optimizer_step(lambda rows: rows, 3, loss, max_rows=3, tokens_per_row=ids.shape[1])
+        assert stats["grad_norm"] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "the update compiled again"
