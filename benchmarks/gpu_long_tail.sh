@@ -4,7 +4,8 @@
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
 # grpo256partial with train.partial_keep_kv; PREFILL_MODES="eager compiled" and LOOKS="lagged
-# present" time `partial` each way; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
+# present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
+# `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 # `start` runs the build probe and then a batch-64 GRPO run without TRL twice each: the first
@@ -35,12 +36,12 @@ for p in ${PARTS:-tests engine update}; do
         engine) part engine ${ENGINE_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
                     --long-tail 0.004 0.0075 --skip-generate --repeats 2 --json "$OUT/long_tail.json" ;;
         partial) part partial ${PARTIAL_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
-                     --long-tail ${LONG_TAIL:-0.004 0.0075} --partial 6 --request-groups 3 --max-staleness ${MAX_STALENESS:-2} \
+                     --long-tail ${LONG_TAIL:-0.004 0.0075} --partial 6 --request-groups ${REQUEST_GROUPS:-3} --max-staleness ${MAX_STALENESS:-2} \
                      --kv ${KV:-prefill keep} --refill-share ${REFILL_SHARES:-16} --prefill ${PREFILL_MODES:-eager} --looks ${LOOKS:-lagged} \
                      --json "$OUT/partial.json" ;;
         grpo256partial) part grpo256partial ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
-                     --request-groups 3 --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
+                     --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
                      --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
