@@ -118,8 +118,6 @@ class PolicyUpdate:
             loss_agg_mode=tc.loss_agg_mode, sequence_counts=sequences, horizon=float(tc.max_new_tokens),
             entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor, pack_sequences=tc.pack_sequences)
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
-        warming, self._warming = self._warming, []
-        fleet.wait("actor", warming, "the actor's warm-up")   # done by now, or the update waits for it anyway
         if "critic" in self.roles:
             critic_step = critic.CriticStep(clip_range=tc.value_clip,
                                             micro_batch_size=self._micro_batch_size("critic"),
@@ -128,6 +126,8 @@ class PolicyUpdate:
                                             recovery_path=self._recovery_path("critic"), lr=tc.critic_lr * factor,
                                             pack_sequences=tc.pack_sequences)
             critic_workers, critic_futures = self._rank_tasks("critic", critic.update, experience, critic_step)
+        warming, self._warming = self._warming, []
+        fleet.wait("actor", warming, "the actor's warm-up")   # done by now, or the update waits for it anyway
         results = fleet.wait("actor", actor_futures, "the policy update")
         losses = sum_stats(stats for stats, _ in results)
         for key in ("grad_norm", "refused_steps"):  # the same on every rank
