@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +197,10 @@ def test_chat_rows_train_with_answers_and_evaluation_runs_while_async_training_g
                        eval_every_n_steps=2, eval_samples_per_prompt=2, eval_temperature=1.0,
                        reward_weights=[1.0, 2.0], output_dir=str(out), show_progress=False) as trainer:
         history = trainer.train()
+        # The batch generating ahead loads the version before the newest; an evaluation may
+        # still load the newest while the next is published: three kept ("shm": a file each).
+        assert trainer.batches.published_versions == 3
+        assert len(list(Path(trainer.fleet.snapshot_dir).glob("policy-v*"))) == 3
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "reward" in line]
     assert len(steps) == 4 == len(history)
