@@ -3,7 +3,7 @@
 # variables): PARTS="start tests engine partial prefill update grpo256 grpo256partial grpo256fixed grpo64"
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
-# grpo256partial with train.partial_keep_kv; PREFILL_MODES="eager compiled" and LOOKS="lagged
+# grpo256partial with train.partial_keep_kv; PROFILE_SLOTS (default "256 32") are decode_profile.py's; PREFILL_MODES="eager compiled" and LOOKS="lagged
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
 # `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py).
@@ -45,6 +45,7 @@ for p in ${PARTS:-tests engine update}; do
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
                      --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
+        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
