@@ -3,10 +3,11 @@
 # variables): PARTS="start tests engine partial prefill update grpo256 grpo256partial grpo256fixed grpo64"
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
-# grpo256partial with train.partial_keep_kv; PROFILE_SLOTS (default "256 32") are decode_profile.py's; PREFILL_MODES="eager compiled" and LOOKS="lagged
+# grpo256partial with train.partial_keep_kv; PREFILL_MODES="eager compiled" and LOOKS="lagged
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
 # `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
-# dask-rl's workers; UPDATE_ARGS go to packed_update.py).
+# dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
+# the slot counts decode_profile.py profiles).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 # `start` runs the build probe and then a batch-64 GRPO run without TRL twice each: the first
 # of each pair pays for compiling bytecode (and decode graphs) on a fresh machine, the second
