@@ -297,7 +297,6 @@ class TrainConfig:
         return self.prompts_per_step * self.samples_per_prompt
 
 
-
 def shown(value: Any) -> str:
     """`value` as an error message echoes it: its repr, cut short."""
     try:

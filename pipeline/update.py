@@ -34,6 +34,9 @@ class PolicyUpdate:
         self.roles = roles
         self.keep_versions = keep_versions   # published versions the actor keeps (InFlight.published_versions)
         self._warming: list = []             # the actor ranks' warm-ups, until the first update
+        # role -> rows per micro-batch after an out-of-memory error on a sharded rank, kept
+        # here for the rest of the run: the ranks restarted to free the group forget it.
+        self.micro_batch_caps: dict[str, int] = {}
 
     def warm_up(self) -> None:
         """Each actor rank compiles its update now, while the first batch generates, instead
@@ -44,9 +47,6 @@ class PolicyUpdate:
                                            tc.pack_sequences, tc.ppo_epochs * tc.mini_batches > 1,
                                            tag="warm-up", workers=[address])
                          for address in self.fleet.addresses("actor")]
-        # role -> rows per micro-batch after an out-of-memory error on a sharded rank, kept
-        # here for the rest of the run: the ranks restarted to free the group forget it.
-        self.micro_batch_caps: dict[str, int] = {}
 
     def __call__(self, experience: Experience) -> dict[str, float]:
         """The update, redone once if a rank's worker died during it, and with halved
