@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import cloudpickle
 from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -37,9 +38,10 @@ def plugin_name(role: str) -> str:
 class RoleHost(WorkerPlugin):
     """Builds `build()` once on each worker that carries the `role` resource."""
 
-    def __init__(self, role: str, build: Callable[[], Any], torch_threads: int | None = None):
+    def __init__(self, role: str, build: Callable[[], Any] | None, torch_threads: int | None = None):
         self.role = role
         self.build = build
+        self._recipe: bytes | None = None    # `build` as it travelled, until _build unpickles it
         self.torch_threads = torch_threads
         self.state: Any = None
         self.error: BaseException | None = None
@@ -49,11 +51,16 @@ class RoleHost(WorkerPlugin):
         self.imports_wait: float = 0.0           # it went to waiting for the imports: for reports
 
     def __getstate__(self):
-        # Events and loaded models stay on their worker; only the recipe travels.
-        return {"role": self.role, "build": self.build, "torch_threads": self.torch_threads}
+        # Events and loaded models stay on their worker; only the recipe travels, pickled on
+        # its own: the worker unpickles it in _build, after its background imports. Unpickled
+        # with the plugin, it imported the role's module (torch, transformers) on the worker's
+        # event loop while the BackgroundImports thread imported the same packages, and the two
+        # raced ("cannot import name 'fsdp' from 'torch.distributed'" on a SLURM job's worker).
+        return {"role": self.role, "recipe": cloudpickle.dumps(self.build), "torch_threads": self.torch_threads}
 
     def __setstate__(self, state):
-        self.__init__(**state)
+        self.__init__(state["role"], None, torch_threads=state["torch_threads"])
+        self._recipe = state["recipe"]
 
     async def setup(self, worker) -> None:
         if self.role not in worker.state.total_resources:
@@ -80,6 +87,8 @@ class RoleHost(WorkerPlugin):
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        if self.build is None:
+            self.build = cloudpickle.loads(self._recipe)
         return self.build()
 
     def teardown(self, worker) -> None:
