@@ -92,8 +92,11 @@ def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, fl
     decode graph for a slot count met late (partial rollouts meet some after the warm-up)
     moves neither."""
     s, t = seconds[warmup:], tokens[warmup:]
+    # Also each step's own rate, and their median: long-tailed steps hold up to 2x the tokens
+    # of others, and the step time follows them.
     return {"step_seconds": statistics.median(s), "tokens_per_second": statistics.mean(t) / statistics.median(s),
-            "step_seconds_all": s}
+            "step_tokens_per_second": statistics.median(n / x for n, x in zip(t, s)),
+            "step_seconds_all": s, "tokens_all": t}
 
 
 def held_roles(dask_worker) -> dict:
@@ -352,14 +355,15 @@ def main(argv=None) -> int:
         extra = (f"  waiting for the rollout {r['rollout_seconds']:.2f} s  update {r['update_seconds']:.2f} s  slot use "
                  f"{r['slot_use'] or 0:.2f}  rollout engine {r['engine_seconds'] or 0:.2f} s  staleness "
                  f"{r['staleness']:.2f}" if "update_seconds" in r else "")
-        print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} useful tokens/s  "
+        print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} useful tokens/s "
+              f"({r['step_tokens_per_second']:,.0f} the median step's)  "
               f"mean response {r['mean_response_tokens']:6.1f}  peak GPU memory (all processes) "
               f"{r['peak_gib']:5.1f} GiB{extra}")
     for name, d in results.items():
         if name == "trl":
             continue
         print(f"  {name}: cluster start (workers + models) {d['start_seconds']:.1f} s; first step "
-              f"(compiles the decode graph) {d['first_step_seconds']:.1f} s")
+              f"(compiles the decode graph and the update) {d['first_step_seconds']:.1f} s")
         if "trl" in results:
             t = results["trl"]
             # Steps of long-tailed work hold different lengths on the two sides: the useful
