@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import save_qwen2_05b  # noqa: E402
 
-from pipeline.engines.continuous import prefill_mask  # noqa: E402
+from pipeline.engines.prefill import prefill_mask  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm  # noqa: E402
 

@@ -38,11 +38,12 @@ from typing import Callable
 import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
-from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, SlotRun, bucket_batch, bucket_length
+from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, SlotRun, bucket_batch
 from pipeline.engines.held_rows import HeldRows
 from pipeline.engines.hf import (
     PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
 )
+from pipeline.engines.prefill import bucket_length
 from pipeline.engines.sampling import sample_tokens
 from pipeline.engines.slots import SlotCache, slot_cache_bytes, use_slot_attention
 from pipeline.records import GenerationRequest, Rollout

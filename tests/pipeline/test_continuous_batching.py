@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pipeline.engines import continuous
-from pipeline.engines.continuous import SlotRun, prefill_mask
+from pipeline.engines.continuous import SlotRun
+from pipeline.engines.prefill import prefill_mask
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.models import load_causal_lm, load_tokenizer
 from pipeline.records import GenerationRequest

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engines.continuous import prefill_passes
+from pipeline.engines.prefill import prefill_passes
 from pipeline.engines.held_rows import HeldRows, row_key
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
