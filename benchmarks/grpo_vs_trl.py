@@ -165,6 +165,9 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                           f"for the imports)" for role, (began, took, waited) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
+        if args.decode_attention:
+            print(f"dask-rl: decode attention {args.decode_attention} on "
+                  f"{sum(client.run(set_decode_attention, args.decode_attention).values())} rollout engine(s)")
         if args.end_probability:
             print(f"dask-rl: responses end with probability {args.end_probability} a token on "
                   f"{client.run(end_responses_with_probability, args.end_probability)}", flush=True)
@@ -225,6 +228,15 @@ def worker_start_times(client, since: float) -> dict[str, float]:
         if stamp is not None:
             out[name] = stamp - since
     return out
+
+
+def set_decode_attention(kind: str, dask_worker=None) -> bool:
+    """On a worker: the rollout engine's decode attention, before its first decode step."""
+    rollout = held_roles(dask_worker).get("rollout")
+    if rollout is None or not hasattr(rollout.engine, "decode_attention"):
+        return False
+    rollout.engine.decode_attention = kind
+    return True
 
 
 def set_logit_chunk(tokens: int) -> None:
@@ -321,6 +333,8 @@ def main(argv=None) -> int:
     parser.add_argument("--worker-alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF for dask-rl's worker processes only (e.g. "
                              "expandable_segments:True); TRL's process starts CUDA after it is unset")
+    parser.add_argument("--decode-attention", choices=["sdpa", "flex"], default=None,
+                        help="the cuda_graph engine's decode_attention (default: the engine's)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     model_dir = str(save_qwen2_05b(args.model_dir))
