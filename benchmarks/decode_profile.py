@@ -29,9 +29,9 @@ from pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
 
 
-def profile_slots(model, tokenizer, slots: int, attention: str, args) -> None:
+def profile_slots(model, tokenizer, slots: int, args) -> None:
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cuda",
-                             max_batch_size=slots, fewest_slots=slots, decode_attention=attention)
+                             max_batch_size=slots, fewest_slots=slots)
     prompts = [tokenizer(text)["input_ids"] for text in word_prompts(slots, args.prompt)]
     request = GenerationRequest(prompts, list(range(slots)), 1, args.new_tokens, 1.0, seed=0)
     engine.generate(request, 0)   # compiles this slot count's graph
@@ -45,7 +45,7 @@ def profile_slots(model, tokenizer, slots: int, attention: str, args) -> None:
                if row.self_device_time_total > 0]
     total, count = sum(ms for *_, ms in kernels), sum(n for _, n, _ in kernels)
     prefill = engine.last_stats["prefill_ms"]
-    print(f"{slots} slots, {attention} attention: {steps} decode steps, {engine.last_stats['step_ms']} ms a step by the wall clock; "
+    print(f"{slots} slots: {steps} decode steps, {engine.last_stats['step_ms']} ms a step by the wall clock; "
           f"GPU {(total - prefill) / steps:.3f} ms a decode step (prefill {prefill:.1f} ms left out), "
           f"about {count / steps:.0f} kernels a step (prefill's included)", flush=True)
     for name, launches, ms in sorted(kernels, key=lambda row: -row[2])[:args.top]:
@@ -59,16 +59,13 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=1024, help="sets the ring length, as in the benchmarks")
     parser.add_argument("--end-probability", type=float, default=0.05, help="short requests: a few dozen steps")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--decode-attention", nargs="+", choices=["sdpa", "flex"], default=["sdpa"],
-                        help="the engine's decode_attention; each is profiled")
     args = parser.parse_args(argv)
     directory = save_qwen2_05b(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b")
     model = load_causal_lm(directory, device="cuda", dtype=torch.bfloat16)
     tokenizer = load_tokenizer(directory)
     end_with_probability(model, tokenizer.eos_token_id, args.end_probability)
     for slots in args.slots:
-        for attention in args.decode_attention:
-            profile_slots(model, tokenizer, slots, attention, args)
+        profile_slots(model, tokenizer, slots, args)
     return 0
 
 

@@ -7,8 +7,9 @@
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
 # `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
-# the slot counts decode_profile.py profiles, DECODE_ATTENTIONS, default "sdpa flex", the ways;
-# DECODE_ATTENTION is the rollout engine's decode_attention in the GRPO parts).
+# the slot counts decode_profile.py profiles; AHEAD is grpo256partial's --batches-ahead; with
+# MPS=1 every part runs under an NVIDIA MPS daemon of its own, started here and stopped after;
+# SKIP_TRL=1 and DASK_STEPS apply to every GRPO part).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 # `start` runs the build probe and then a batch-64 GRPO run without TRL twice each: the first
 # of each pair pays for compiling bytecode (and decode graphs) on a fresh machine, the second
@@ -28,6 +29,12 @@ part() {  # part NAME SECONDS COMMAND...
         | tee "$OUT/$name.log" | grep -v -E "^\s*$|warn" | tail -${TAIL:-30}
     echo "::: $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
 }
+if [ -n "${MPS:-}" ]; then   # one CUDA context for every process: kernels of two processes run at once
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/dask-rl-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dask-rl-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS daemon started ($CUDA_MPS_PIPE_DIRECTORY)"
+    trap 'echo quit | nvidia-cuda-mps-control; kill $SMI 2>/dev/null; save_inductor_cache' EXIT
+fi
 for p in ${PARTS:-tests engine update}; do
     case $p in
         start) for i in 1 2; do part start_probe_$i ${START_LIMIT:-60} python3 benchmarks/start_probe.py; done
@@ -45,18 +52,15 @@ for p in ${PARTS:-tests engine update}; do
                      --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
                      --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
-                     ${DECODE_ATTENTION:+--decode-attention $DECODE_ATTENTION} \
-                     --json "$OUT/grpo256_partial.json" ;;
+                     ${AHEAD:+--batches-ahead $AHEAD} --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
-        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} \
-                     --decode-attention ${DECODE_ATTENTIONS:-sdpa flex} ;;
+        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
                      ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_long.json" ;;
         grpo256fixed) part grpo256fixed ${FIXED_LIMIT:-300} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps ${DASK_STEPS:-6} \
-                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${DECODE_ATTENTION:+--decode-attention $DECODE_ATTENTION} \
-                     --json "$OUT/grpo256_fixed.json" ;;
+                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_fixed.json" ;;
         grpo64) part grpo64 ${G64_LIMIT:-240} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 8 --dask-steps ${DASK_STEPS:-8} \
                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo64_fixed.json" ;;
     esac

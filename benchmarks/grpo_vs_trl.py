@@ -133,6 +133,13 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         "actor": {**gpu, "strategy": "none"}, "rollout": {**gpu, "strategy": "cuda_graph"},
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True,
         "comm_backend": "nccl", "timeout_seconds": 600})
+    if args.batches_ahead is not None:
+        # An experiment, not a setting: partial batches generated ahead of the update on the
+        # actor's GPU. Without MPS the two processes take turns on the GPU (so dask-rl
+        # generates none ahead there); under MPS their kernels can run at once.
+        from pipeline import partial
+
+        partial.batches_ahead = lambda max_staleness, shares_gpu: min(args.batches_ahead, max_staleness - 1)
     seconds, tokens, phases, staleness = [], [], [], []
     with GpuMemory() as memory:
         start, start_wall = time.perf_counter(), time.time()
@@ -165,9 +172,6 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                           f"for the imports)" for role, (began, took, waited) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
-        if args.decode_attention:
-            print(f"dask-rl: decode attention {args.decode_attention} on "
-                  f"{sum(client.run(set_decode_attention, args.decode_attention).values())} rollout engine(s)")
         if args.end_probability:
             print(f"dask-rl: responses end with probability {args.end_probability} a token on "
                   f"{client.run(end_responses_with_probability, args.end_probability)}", flush=True)
@@ -228,15 +232,6 @@ def worker_start_times(client, since: float) -> dict[str, float]:
         if stamp is not None:
             out[name] = stamp - since
     return out
-
-
-def set_decode_attention(kind: str, dask_worker=None) -> bool:
-    """On a worker: the rollout engine's decode attention, before its first decode step."""
-    rollout = held_roles(dask_worker).get("rollout")
-    if rollout is None or not hasattr(rollout.engine, "decode_attention"):
-        return False
-    rollout.engine.decode_attention = kind
-    return True
 
 
 def set_logit_chunk(tokens: int) -> None:
@@ -333,8 +328,9 @@ def main(argv=None) -> int:
     parser.add_argument("--worker-alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF for dask-rl's worker processes only (e.g. "
                              "expandable_segments:True); TRL's process starts CUDA after it is unset")
-    parser.add_argument("--decode-attention", choices=["sdpa", "flex"], default=None,
-                        help="the cuda_graph engine's decode_attention (default: the engine's)")
+    parser.add_argument("--batches-ahead", type=int, default=None, metavar="N",
+                        help="partial rollouts: batches generated ahead of the update (default: dask-rl's choice, "
+                             "none on the actor's GPU); an experiment for GPUs shared under MPS")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     model_dir = str(save_qwen2_05b(args.model_dir))

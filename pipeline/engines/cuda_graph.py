@@ -39,7 +39,6 @@ import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
 from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, SlotRun, bucket_batch
-from pipeline.engines.gqa_decode import live_blocks
 from pipeline.engines.held_rows import HeldRows
 from pipeline.engines.hf import (
     PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
@@ -53,7 +52,6 @@ from resources.allocator import (
 )
 
 logger = logging.getLogger("dask_rl")
-DECODE_ATTENTION = ("sdpa", "flex")
 
 class CudaGraphEngine:
     """Samples with a CUDA-graph decode loop over continuously refilled slots; the same
@@ -79,9 +77,6 @@ class CudaGraphEngine:
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
         check_every: decode steps between two looks at the device (default: a GPU's
             continuous.EOS_CHECK_EVERY, every step on a CPU, where looking costs nothing).
-        decode_attention: "sdpa" (every slot reads the whole ring, masked) or "flex"
-            (flex_attention reads only the ring's blocks a slot's window touches:
-            gqa_decode.live_blocks).
     Sampling filters (top-k / top-p / min-p) come with each request. `last_stats` holds the
     last request's decode steps (in all and at each slot count), tokens, slot use and
     milliseconds a decode step at each slot count.
@@ -90,7 +85,7 @@ class CudaGraphEngine:
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
                  prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None,
                  check_every: int | None = None, fewest_slots: int | None = None,
-                 compile_prefill: bool = False, decode_attention: str = "sdpa"):
+                 compile_prefill: bool = False):
         self.model = model.eval()
         use_slot_attention(model)
         self.pad_id, self.eos_id, self.device, self.decode = pad_id, eos_id, device, decode
@@ -98,9 +93,6 @@ class CudaGraphEngine:
         self.prompt_bucket = prompt_bucket
         self.compiled = torch.device(device).type == "cuda" if compile is None else compile
         self.fewest_slots = bucket_batch(fewest_slots or (FEWEST_CAPTURED_SLOTS if self.compiled else 1))
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention={decode_attention!r}: expected one of {DECODE_ATTENTION}")
-        self.decode_attention = decode_attention
         self.check_every = check_every   # None: every continuous.EOS_CHECK_EVERY steps on CUDA, every step on CPU
         self._caches: dict[tuple[int, int], SlotCache] = {}   # (slots, length) -> its cache
         self.batch = self.max_batch_size     # decode slots of the current request
@@ -197,9 +189,8 @@ class CudaGraphEngine:
 
     def _decode_step(self, token, position_ids, column, mask, cache, temperature: float, top_k: int,
                      top_p: float, min_p: float):
-        blocks = live_blocks(mask) if self.decode_attention == "flex" else None
         logits = self.model(input_ids=token, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                            slot_cache=cache, slot_columns=column, slot_blocks=blocks).logits[:, -1]
+                            slot_cache=cache, slot_columns=column).logits[:, -1]
         return sample_tokens(logits, temperature, top_k, top_p, min_p)
 
     def _cache(self, slots: int, length: int) -> SlotCache:

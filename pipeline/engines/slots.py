@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.engines.budget import kv_bytes_per_token, kv_layout
-from pipeline.engines.gqa_decode import flex_gqa_attention, packed_gqa_attention
+from pipeline.engines.gqa_decode import packed_gqa_attention
 
 NAME = "dask_rl_slots"
 
@@ -74,13 +74,12 @@ class SlotCache:
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                    slot_cache: SlotCache | None = None, slot_rows: torch.Tensor | None = None,
-                   slot_columns: torch.Tensor | None = None, slot_blocks=None, **kwargs) -> tuple[torch.Tensor, None]:
+                   slot_columns: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract, plus the slot cache's keywords.
 
     - decode (slot_rows None): query/key/value (S, H or H_kv, 1, D) of every slot; the new
       key and value go into column `slot_columns` (1,), then the query attends to the whole
-      ring under `attention_mask` (S, 1, 1, L), or with `slot_blocks` (gqa_decode.live_blocks
-      of that mask) to the blocks of the ring the mask touches;
+      ring under `attention_mask` (S, 1, 1, L);
     - prefill (slot_rows (k,)): k new prompts, left-padded to W tokens, are stored in slots
       `slot_rows` at ring columns `slot_columns` (W,) and attend among themselves as usual;
     - without a slot cache (a training or scoring forward of the same model): packed
@@ -92,8 +91,6 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if slot_rows is None:
         keys.index_copy_(2, slot_columns, key)
         values.index_copy_(2, slot_columns, value)
-        if slot_blocks is not None:
-            return flex_gqa_attention(query, keys, values, slot_blocks, scaling)
         return packed_gqa_attention(module, query, keys, values, attention_mask, scaling=scaling)
     # (k, H_kv, W, D) -> the (k, W) cells (slot, column), each an (H_kv, D) block.
     keys[slot_rows[:, None], :, slot_columns[None, :]] = key.transpose(1, 2).to(keys.dtype)

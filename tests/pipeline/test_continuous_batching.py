@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engines import continuous, gqa_decode
+from pipeline.engines import continuous
 from pipeline.engines.continuous import SlotRun
 from pipeline.engines.prefill import prefill_mask
 from pipeline.engines.cuda_graph import CudaGraphEngine
@@ -47,14 +47,11 @@ def _check_against_the_actor(model, request, rollout, eos):
     return lengths
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_slots_take_waiting_sequences_through_a_wrapping_ring(model_and_tokenizer, attention, monkeypatch):
-    """Either decode attention; flex's in blocks of 8 columns, so a short window skips some."""
+def test_slots_take_waiting_sequences_through_a_wrapping_ring(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     eos = tokenizer.eos_token_id
-    monkeypatch.setattr(gqa_decode, "DECODE_BLOCK", 8)
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu", max_batch_size=8,
-                             prompt_bucket=16, decode_attention=attention)
+                             prompt_bucket=16)
     # 64 sequences through 8 slots; prompts (8-16 tokens) pad to 16 and responses stop by 12,
     # so the ring has 28 columns, which the request's decode steps wrap several times.
     request = _request(tokenizer, prompts=16, samples=4, new_tokens=12)
@@ -130,8 +127,7 @@ def test_slot_run_reports_use_and_refills_in_groups(model_and_tokenizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_the_compiled_decode_step_serves_refills_and_a_second_request(tiny_model, attention):
+def test_the_compiled_decode_step_serves_refills_and_a_second_request(tiny_model):
     """torch.compile traces the decode step with its slot cache (Inductor on the CPU here; on
     a GPU the same graph is captured as a CUDA graph, `-m gpu`): logprobs still equal the
     actor's, and a second request of the same shapes compiles nothing new."""
@@ -140,7 +136,7 @@ def test_the_compiled_decode_step_serves_refills_and_a_second_request(tiny_model
     model, tokenizer = load_causal_lm(tiny_model), load_tokenizer(tiny_model)
     eos = tokenizer.eos_token_id
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu", compile=True,
-                             max_batch_size=16, decode_attention=attention)
+                             max_batch_size=16)
     hook = _eos_bias(model, eos, 2.0)
     try:
         engine.generate(_request(tokenizer, prompts=16, samples=4, new_tokens=24, seed=1), 0)

@@ -109,17 +109,14 @@ def test_graph_loop_stops_at_any_stop_id_and_string_and_reports_unfiltered_logpr
     assert {"id", "string"} <= set(endings), endings
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(model, attention):
+def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(model):
     """256 sequences through 64 captured slots on geometric lengths (each token ends a
     response with probability 0.03, cut at 256): slots refill from the queue, the tail moves
-    into fewer slots, and the logprobs stay as close to the actor's as a static batch's, with
-    either decode attention (flex's ring of 320 columns ends in a half block)."""
+    into fewer slots, and the logprobs stay as close to the actor's as a static batch's."""
     import torch._dynamo.utils
 
     # Down to 8 slots (the default stops at 32): the test's 64 slots would otherwise shrink once.
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64, fewest_slots=8,
-                             decode_attention=attention)
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64, fewest_slots=8)
     assert CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda").fewest_slots == 32
     hook = end_with_probability(model, 1, 0.03)   # each token ends a response with probability 0.03
     try:
@@ -131,7 +128,7 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
         hook.remove()
     lengths = rollout.response_mask.sum(-1)
     stats = engine.last_stats
-    print(f"continuous batching, {attention} attention: mean length {lengths.mean():.1f}, longest {lengths.max():.0f}, "
+    print(f"continuous batching: mean length {lengths.mean():.1f}, longest {lengths.max():.0f}, "
           f"{stats['decode_steps']} decode steps, slot use {stats['slot_use']:.2f}; logprob difference "
           f"mean {diff.mean():.4f}, max {diff.max():.4f}; ms a decode step at each slot count {stats['step_ms']}")
     assert len(rollout) == 256 and 20 < lengths.float().mean() < 45 and lengths.max() > 120

@@ -78,28 +78,3 @@ def test_a_model_loaded_with_eager_attention_switches_too():
     slots.use_slot_attention(model)
     assert model.config._attn_implementation == slots.NAME
     torch.testing.assert_close(_decode(model), reference, atol=1e-5, rtol=0)
-
-
-def test_live_blocks_list_the_ring_blocks_each_slot_attends_to():
-    from pipeline.engines.gqa_decode import flex_gqa_attention, live_blocks
-
-    mask = torch.zeros(3, 1, 1, 20, dtype=torch.bool)   # blocks of 8 columns: 0-7, 8-15, 16-19 (+4 beyond)
-    mask[0, ..., 2:6] = True                              # inside block 0
-    mask[1, ..., 8:16] = True                             # all of block 1...
-    mask[1, ..., 18] = True                               # ...and a column of block 2
-    mask[2, ..., 16:] = True                              # a window wrapping the ring: 16-19, then 0-7
-    mask[2, ..., :8] = True
-    blocks = live_blocks(mask, block=8)
-    partial, partial_indices = blocks.kv_num_blocks.flatten().tolist(), blocks.kv_indices[:, 0, 0]
-    whole, whole_indices = blocks.full_kv_num_blocks.flatten().tolist(), blocks.full_kv_indices[:, 0, 0]
-    assert partial == [1, 1, 1] and whole == [0, 1, 1]
-    assert [int(partial_indices[s, 0]) for s in range(3)] == [0, 2, 2]
-    assert [int(whole_indices[s, 0]) for s in (1, 2)] == [1, 0]
-    # Attention through them equals SDPA over the whole ring under the mask.
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(3, 6, 1, 16, generator=generator)
-    key, value = (torch.randn(3, 2, 20, 16, generator=generator) for _ in range(2))
-    expected = F.scaled_dot_product_attention(query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1),
-                                              attn_mask=mask)
-    output, _ = flex_gqa_attention(query, key, value, blocks, scaling=None)
-    torch.testing.assert_close(output, expected.transpose(1, 2), atol=1e-5, rtol=0)
