@@ -30,19 +30,24 @@ from pipeline.records import GenerationRequest  # noqa: E402
 
 
 def profile_slots(model, tokenizer, slots: int, args) -> None:
-    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cuda",
+    cuda = args.device == "cuda"
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device=args.device,
                              max_batch_size=slots, fewest_slots=slots)
     prompts = [tokenizer(text)["input_ids"] for text in word_prompts(slots, args.prompt)]
     request = GenerationRequest(prompts, list(range(slots)), 1, args.new_tokens, 1.0, seed=0)
     engine.generate(request, 0)   # compiles this slot count's graph
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    wait = torch.cuda.synchronize if cuda else (lambda: None)
+    wait()
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
         engine.generate(request, 0)
-        torch.cuda.synchronize()
+        wait()
     steps = engine.last_stats["decode_steps"]
     # Kernels only: (name, launches, ms in all), from the profiler's averages by name.
-    kernels = [(row.key, row.count, row.self_device_time_total / 1e3) for row in prof.key_averages()
-               if row.self_device_time_total > 0]
+    # (On a CPU, --device cpu: the operators' own CPU time, a check that the script runs.)
+    own_time = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = [(row.key, row.count, getattr(row, own_time) / 1e3) for row in prof.key_averages()
+               if getattr(row, own_time) > 0]
     total, count = sum(ms for *_, ms in kernels), sum(n for _, n, _ in kernels)
     prefill = engine.last_stats["prefill_ms"]
     print(f"{slots} slots: {steps} decode steps, {engine.last_stats['step_ms']} ms a step by the wall clock; "
@@ -59,9 +64,12 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=1024, help="sets the ring length, as in the benchmarks")
     parser.add_argument("--end-probability", type=float, default=0.05, help="short requests: a few dozen steps")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
+    parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
     args = parser.parse_args(argv)
-    directory = save_qwen2_05b(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b")
-    model = load_causal_lm(directory, device="cuda", dtype=torch.bfloat16)
+    name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"
+    directory = save_qwen2_05b(Path(tempfile.gettempdir()) / name, layers=args.layers)
+    model = load_causal_lm(directory, device=args.device, dtype=torch.bfloat16)
     tokenizer = load_tokenizer(directory)
     end_with_probability(model, tokenizer.eos_token_id, args.end_probability)
     for slots in args.slots:
