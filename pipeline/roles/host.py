@@ -88,7 +88,7 @@ class RoleHost(WorkerPlugin):
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         if self.build is None:
-            self.build = cloudpickle.loads(self._recipe)
+            self.build, self._recipe = cloudpickle.loads(self._recipe), None
         return self.build()
 
     def teardown(self, worker) -> None:
