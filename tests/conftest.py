@@ -52,6 +52,13 @@ def shared_config():
     return load_resource_config(SHARED_LAYOUT)
 
 
+def published_snapshots(snapshot_dir) -> list[str]:
+    """The weight versions an actor keeps readable under the "shm" transport (a file each)."""
+    from pathlib import Path
+
+    return sorted(p.name for p in Path(snapshot_dir).glob("policy-v*"))
+
+
 def role_cluster(config):
     """A fresh local cluster with one worker per planned role worker (close it after use).
 

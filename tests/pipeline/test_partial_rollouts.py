@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from pipeline.records import CarriedRow, GenerationRequest, Rollout
 from pipeline.rewards import digit_fraction
 from pipeline.roles.forward import response_logprobs
 from pipeline.trainer import HybridTrainer
+from tests.conftest import published_snapshots
 
 
 @pytest.fixture(scope="module")
@@ -337,11 +337,6 @@ def _cuda_graph(config):
     return with_role(config, dataclasses.replace(config.role("rollout"), strategy="cuda_graph"))
 
 
-def _published(trainer) -> list[str]:
-    """The weight versions the actor keeps readable (the "shm" transport: one file each)."""
-    return sorted(p.name for p in Path(trainer.fleet.snapshot_dir).glob("policy-v*"))
-
-
 def _figures(record):
     return (record.step, record.policy_version, record.reward_mean, record.tokens, record.staleness,
             record.carried_rows, record.losses)
@@ -356,7 +351,7 @@ def test_partial_rollouts_carry_rows_within_the_staleness_bound_and_resume_exact
         straight = straight_run.train()
         # Each batch loads the newest weights (none generates ahead): the actor keeps that one only.
         assert straight_run.batches.published_versions == 1
-        assert _published(straight_run) == ["policy-v000004.safetensors"]
+        assert published_snapshots(straight_run.fleet.snapshot_dir) == ["policy-v000004.safetensors"]
     assert [r.policy_version for r in straight] == [1, 2, 3, 4]
     assert all(r.staleness_max <= 1 for r in straight)                  # max_staleness
     # Rows were carried, and trained a version later; batches are not generated ahead.
@@ -400,7 +395,7 @@ def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update
                                                      "has 1 more step(s) to end")
         straight = straight_run.train()
         # The batch generating during an update loads the version before it: two are kept.
-        assert _published(straight_run) == ["policy-v000003.safetensors", "policy-v000004.safetensors"]
+        assert published_snapshots(straight_run.fleet.snapshot_dir) == ["policy-v000003.safetensors", "policy-v000004.safetensors"]
     assert [r.policy_version for r in straight] == [1, 2, 3, 4]
     # Batch 0 is trained on with the weights that generated it. Each later batch was generated
     # during the update before: every row it trains on is at least a version old, none more

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from pipeline.config import make_train_config
 from pipeline.records import RewardInputs, Rollout, Scores
 from pipeline.reward_specs import RewardSpec, takes_batches
 from pipeline.roles.reward import RewardRole
+from tests.conftest import published_snapshots
 
 CHAT = [{"role": "user", "content": "what is 2 plus 3?"}]
 
@@ -200,7 +200,7 @@ def test_chat_rows_train_with_answers_and_evaluation_runs_while_async_training_g
         # The batch generating ahead loads the version before the newest; an evaluation may
         # still load the newest while the next is published: three kept ("shm": a file each).
         assert trainer.batches.published_versions == 3
-        assert len(list(Path(trainer.fleet.snapshot_dir).glob("policy-v*"))) == 3
+        assert len(published_snapshots(trainer.fleet.snapshot_dir)) == 3
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "reward" in line]
     assert len(steps) == 4 == len(history)
