@@ -9,7 +9,7 @@
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
 # the slot counts decode_profile.py profiles; AHEAD is grpo256partial's --batches-ahead; with
 # MPS=1 every part runs under an NVIDIA MPS daemon of its own, started here and stopped after;
-# SKIP_TRL=1 and DASK_STEPS apply to every GRPO part).
+# SKIP_TRL=1, DASK_STEPS and GRPO_ARGS (more grpo_vs_trl.py flags) apply to every GRPO part).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 # `start` runs the build probe and then a batch-64 GRPO run without TRL twice each: the first
 # of each pair pays for compiling bytecode (and decode graphs) on a fresh machine, the second
@@ -51,17 +51,17 @@ for p in ${PARTS:-tests engine update}; do
         grpo256partial) part grpo256partial ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
                      --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
-                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
+                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
                      ${AHEAD:+--batches-ahead $AHEAD} --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
         profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \
-                     ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_long.json" ;;
+                     ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} --json "$OUT/grpo256_long.json" ;;
         grpo256fixed) part grpo256fixed ${FIXED_LIMIT:-300} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 --dask-steps ${DASK_STEPS:-6} \
-                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo256_fixed.json" ;;
+                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} --json "$OUT/grpo256_fixed.json" ;;
         grpo64) part grpo64 ${G64_LIMIT:-240} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 8 --dask-steps ${DASK_STEPS:-8} \
-                    --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} --json "$OUT/grpo64_fixed.json" ;;
+                    --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} --json "$OUT/grpo64_fixed.json" ;;
     esac
 done

@@ -157,6 +157,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                                 dtype="bfloat16",
                                 partial_rollouts=args.partial_rollouts, partial_request_groups=args.request_groups,
                                 partial_keep_kv=args.partial_keep_kv,
+                                gradient_checkpointing=not args.no_gradient_checkpointing,
                                 micro_batch_size=micro_batch, actor_lr=1e-6, temperature=1.0, show_progress=False,
                                 dashboard_address=":0", output_dir=f"{args.work_dir}/dask-rl-mb{micro_batch}")
         started = time.perf_counter() - start
@@ -341,6 +342,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches-ahead", type=int, default=None, metavar="N",
                         help="partial rollouts: batches generated ahead of the update (default: dask-rl's choice, "
                              "none on the actor's GPU); an experiment for GPUs shared under MPS")
+    parser.add_argument("--no-gradient-checkpointing", action="store_true",
+                        help="dask-rl's actor without gradient checkpointing (TRL keeps it on)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     model_dir = str(save_qwen2_05b(args.model_dir))
