@@ -162,12 +162,13 @@ class ActorRole:
         if step.entropy_coef:  # a bonus: higher entropy lowers the loss
             loss = loss - step.entropy_coef * aggregate_loss(entropy, mask, step.loss_agg_mode, normalizer,
                                                              sequences, step.horizon)
-        tokens = float(mask.sum())
-        # Token-weighted sums; the driver divides by the step's token count.
-        return loss, {"policy_loss": float(loss.detach()), "clip_tokens": float(stats["clip_frac"]) * tokens,
-                      "clip_lower_tokens": float(stats["clip_frac_lower"]) * tokens,
-                      "entropy_sum": float(masked_sum(entropy.detach(), mask)),
-                      "tokens": tokens, "is_weight_sum": float((is_weights * mask).sum())}
+        tokens = mask.sum()
+        # Token-weighted sums, left on the device (optimizer_step reads them once, after the
+        # last micro-batch); the driver divides by the step's token count.
+        return loss, {"policy_loss": loss.detach(), "clip_tokens": stats["clip_frac"].detach() * tokens,
+                      "clip_lower_tokens": stats["clip_frac_lower"].detach() * tokens,
+                      "entropy_sum": masked_sum(entropy.detach(), mask),
+                      "tokens": tokens, "is_weight_sum": (is_weights.detach() * mask).sum()}
 
 
 def update(mini_batches: list[Experience], group: GroupInfo,

@@ -72,8 +72,8 @@ class CriticRole:
                                  pack=step.pack_sequences)
         loss, stats = value_loss(values, to(batch.old_values), to(batch.returns), to(batch.response_mask),
                                  step.clip_range, normalizer=normalizer)
-        tokens = float(batch.response_mask.sum())
-        return loss, {"value_loss": float(loss.detach()), "value_clip_tokens": float(stats["value_clip_frac"]) * tokens}
+        tokens = to(batch.response_mask).sum()
+        return loss, {"value_loss": loss.detach(), "value_clip_tokens": stats["value_clip_frac"].detach() * tokens}
 
 
 def values(rollout: Rollout, micro_batch_size: int | str, pack_sequences: bool = True) -> torch.Tensor:

@@ -33,7 +33,7 @@ class MicroBatchedSteps:
     what the last step used)."""
 
     def optimizer_step(self, take: Callable[[slice], Any], num_rows: int,
-                       loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float]]], *,
+                       loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, torch.Tensor | float]]], *,
                        max_rows: int | str, tokens_per_row: int,
                        row_tokens: Sequence[int] | None = None) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` over micro-batches `take(rows)` of this rank's
@@ -219,7 +219,7 @@ class MicroBatchedSteps:
         scales with (rows x padded width, or its real tokens when packed), for the
         allocator's bytes per token."""
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        totals: dict[str, Any] = {}
         for batch, batch_tokens in zip(micro_batches, tokens):
             measure = torch.cuda.is_available() and str(self.device).startswith("cuda")
             if measure:
@@ -230,9 +230,11 @@ class MicroBatchedSteps:
             (loss * self.world_size if self.sharded else loss).backward()
             if measure:
                 self.allocator.observe(torch.cuda.max_memory_allocated() - baseline, batch_tokens)
+            # Summed where they are: reading a GPU value waits for the GPU, and waiting before
+            # the next micro-batch is queued would leave the GPU idle meanwhile.
             for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
-        return totals
+                totals[key] = totals.get(key, 0.0) + (value.detach() if torch.is_tensor(value) else value)
+        return {key: float(value) for key, value in totals.items()}
 
     def _free_bytes(self) -> int | None:
         return free_bytes(self.device)
