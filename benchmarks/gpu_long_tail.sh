@@ -7,8 +7,8 @@
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
 # `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
-# the slot counts decode_profile.py profiles; AHEAD is grpo256partial's --batches-ahead; with
-# MPS=1 every part runs under an NVIDIA MPS daemon of its own, started here and stopped after;
+# the slot counts decode_profile.py profiles; with MPS=1 every part runs under an NVIDIA MPS
+# daemon of its own, started here and stopped after, and dask-rl's GRPO runs say gpu_sharing: mps;
 # SKIP_TRL=1, DASK_STEPS and GRPO_ARGS (more grpo_vs_trl.py flags) apply to every GRPO part).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
 # `start` runs the build probe and then a batch-64 GRPO run without TRL twice each: the first
@@ -32,7 +32,8 @@ part() {  # part NAME SECONDS COMMAND...
 if [ -n "${MPS:-}" ]; then   # one CUDA context for every process: kernels of two processes run at once
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/dask-rl-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dask-rl-mps/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d && echo "MPS daemon started ($CUDA_MPS_PIPE_DIRECTORY)"
+    nvidia-cuda-mps-control -d && echo "MPS daemon started ($CUDA_MPS_PIPE_DIRECTORY: $(ls "$CUDA_MPS_PIPE_DIRECTORY" | tr '\n' ' '))"
+    GRPO_ARGS="${GRPO_ARGS:-} --gpu-sharing mps"
     trap 'echo quit | nvidia-cuda-mps-control; kill $SMI 2>/dev/null; save_inductor_cache' EXIT
 fi
 for p in ${PARTS:-tests engine update}; do
@@ -52,7 +53,7 @@ for p in ${PARTS:-tests engine update}; do
                      --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
                      --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
-                     ${AHEAD:+--batches-ahead $AHEAD} --json "$OUT/grpo256_partial.json" ;;
+                     --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
         profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;

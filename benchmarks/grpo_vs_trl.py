@@ -139,15 +139,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     gpu = {"device_type": "cuda", "device_ids": [0]}
     config = load_resource_config({
         "actor": {**gpu, "strategy": "none"}, "rollout": {**gpu, "strategy": "cuda_graph"},
-        "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True,
+        "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True, "gpu_sharing": args.gpu_sharing,
         "comm_backend": "nccl", "timeout_seconds": 600})
-    if args.batches_ahead is not None:
-        # An experiment, not a setting: partial batches generated ahead of the update on the
-        # actor's GPU. Without MPS the two processes take turns on the GPU (so dask-rl
-        # generates none ahead there); under MPS their kernels can run at once.
-        from pipeline import partial
-
-        partial.batches_ahead = lambda max_staleness, shares_gpu: min(args.batches_ahead, max_staleness - 1)
     seconds, tokens, phases, staleness = [], [], [], []
     with GpuMemory() as memory:
         start, start_wall = time.perf_counter(), time.time()
@@ -339,9 +332,8 @@ def main(argv=None) -> int:
     parser.add_argument("--worker-alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF for dask-rl's worker processes only (e.g. "
                              "expandable_segments:True); TRL's process starts CUDA after it is unset")
-    parser.add_argument("--batches-ahead", type=int, default=None, metavar="N",
-                        help="partial rollouts: batches generated ahead of the update (default: dask-rl's choice, "
-                             "none on the actor's GPU); an experiment for GPUs shared under MPS")
+    parser.add_argument("--gpu-sharing", choices=("time_slice", "mps"), default="time_slice",
+                        help="dask-rl's gpu_sharing (mps: start an MPS control daemon first)")
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="dask-rl's actor without gradient checkpointing (TRL keeps it on)")
     parser.add_argument("--json", help="also write the figures to this file")

@@ -76,11 +76,12 @@ class InFlight:
         self._restored: tuple[CarriedRow, ...] = ()
         self.partial_mode = ""   # partial rollouts: how batches overlap the update, for the user
         if train_config.partial_rollouts:   # decided at start; a later placement change keeps it
-            shares_gpu = fleet.config.share_gpus("rollout", "actor")
-            self.ahead = partial.batches_ahead(train_config.max_staleness, shares_gpu)
+            take_turns = fleet.config.take_turns("rollout", "actor")
+            self.ahead = partial.batches_ahead(train_config.max_staleness, take_turns)
             self.partial_mode = (
                 ("the next batch generates during the update" if self.ahead else
-                 "batches generate after the update (the rollout shares the actor's GPU)" if shares_gpu else
+                 "batches generate after the update (the rollout takes turns with the actor on its GPU; "
+                 "gpu_sharing: mps lets them run at once)" if take_turns else
                  "batches generate after the update (max_staleness 1)")
                 + f"; a carried row has {train_config.max_staleness - self.ahead} more step(s) to end"
                 + ("; rows still decoding keep their keys and values" if train_config.partial_keep_kv else ""))

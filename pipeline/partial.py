@@ -64,13 +64,14 @@ def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...], request_g
     return max(prompts_per_step, request_groups * prompts_per_step - len({row.group_id for row in carried}))
 
 
-def batches_ahead(max_staleness: int, shares_gpu: bool) -> int:
+def batches_ahead(max_staleness: int, take_turns: bool) -> int:
     """Batches generated ahead of the update with partial rollouts. A batch continues the rows
     the one before carried, so batches generate one after the other: one ahead is all the
-    overlap there is, and it pays only when the rollout has GPUs of its own (on a GPU it shares
-    with the actor, the two take turns and the step is their sum either way). It costs a
-    version of the carried rows' allowance, so it needs max_staleness 2 or more."""
-    return 1 if max_staleness >= 2 and not shares_gpu else 0
+    overlap there is, and it pays only when the rollout's GPU work can run beside the actor's
+    (GPUs of its own, or one shared under MPS); where the two take turns on a GPU, the step
+    is their sum either way. It costs a version of the carried rows' allowance, so it needs
+    max_staleness 2 or more."""
+    return 1 if max_staleness >= 2 and not take_turns else 0
 
 
 def finish_born_before(version: int, max_staleness: int, ahead: int = 0) -> int:

@@ -31,9 +31,12 @@ STRATEGIES = {
 }
 DEVICE_TYPES = ("cuda", "cpu")
 COMM_BACKENDS = ("nccl", "gloo", "auto")
+# How roles placed on one GPU share it: the driver's time slices (one process's kernels at a
+# time) or NVIDIA MPS, whose daemon runs the kernels of several processes at once.
+GPU_SHARING = ("time_slice", "mps")
 ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args")
 # `train` belongs to the pipeline package, which reads it from the same file.
-TOP_KEYS = ROLES + ("comm_backend", "timeout_seconds", "allow_shared_devices",
+TOP_KEYS = ROLES + ("comm_backend", "timeout_seconds", "allow_shared_devices", "gpu_sharing",
                     "allow_busy_devices", "busy_memory_fraction", "adaptive", "train")
 _TRAINED_ROLES = ("actor", "critic")  # the roles that form a torch.distributed group
 # How much of a user's value an error message echoes: a 1 MiB string or a whole file
@@ -148,6 +151,7 @@ class ResourceConfig:
     comm_backend: str = "auto"  # as written; see resolved_comm_backend
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     allow_shared_devices: bool = False
+    gpu_sharing: str = "time_slice"   # one of GPU_SHARING
     allow_busy_devices: bool = False
     # A declared GPU on which other processes use more than this share of the memory is
     # refused at start (naming them) unless allow_busy_devices (devices.busy_gpus).
@@ -174,6 +178,11 @@ class ResourceConfig:
         a, b = self.role(first), self.role(second)
         return a.device_type == b.device_type == "cuda" and bool(set(a.device_ids) & set(b.device_ids))
 
+    def take_turns(self, first: str, second: str) -> bool:
+        """Whether the two roles' GPU work runs one after the other: on a GPU they share,
+        unless MPS runs both processes' kernels at once."""
+        return self.share_gpus(first, second) and self.gpu_sharing != "mps"
+
     @property
     def resolved_comm_backend(self) -> str:
         """What "auto" means: NCCL when the actor's process group is on GPUs, else gloo."""
@@ -187,7 +196,7 @@ class ResourceConfig:
         data: dict[str, Any] = {
             role: role_dict(spec) for role, spec in self.roles.items() if not spec.placed_with}
         data.update(comm_backend=self.comm_backend, timeout_seconds=self.timeout_seconds,
-                    allow_shared_devices=self.allow_shared_devices,
+                    allow_shared_devices=self.allow_shared_devices, gpu_sharing=self.gpu_sharing,
                     allow_busy_devices=self.allow_busy_devices,
                     busy_memory_fraction=self.busy_memory_fraction)
         if self.adaptive:

@@ -12,7 +12,9 @@ CUDA_VISIBLE_DEVICES, and so do we: the resource file names physical GPUs.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 __all__ = [
@@ -232,6 +234,17 @@ def busy_gpus(infos: Iterable[GpuInfo], min_used_fraction: float = BUSY_MEMORY_F
         if reasons:
             busy[info.index] = ", ".join(reasons)
     return busy
+
+
+# NVIDIA MPS: its control daemon and the CUDA processes of a host meet through named pipes in
+# this directory (CUDA_MPS_PIPE_DIRECTORY overrides it, for a daemon of one's own).
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+
+
+def mps_control_pipe() -> Path:
+    """The control pipe that CUDA processes started from this environment connect to, if an
+    MPS control daemon listens (they inherit the variable; without one they run as usual)."""
+    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DIRECTORY) / "control"
 
 
 def pin_to_device(device_id: int | None) -> dict[str, str]:

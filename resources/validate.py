@@ -19,7 +19,7 @@ from typing import Any
 
 from resources import devices, vllm_keys
 from resources.config import (
-    _TRAINED_ROLES, COMM_BACKENDS, DEVICE_TYPES, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
+    _TRAINED_ROLES, COMM_BACKENDS, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
     DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
     ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
@@ -201,6 +201,8 @@ class _Parser:
                 f"expected a number of seconds > 0 and at most {MAX_TIMEOUT_SECONDS} (about 116 days; the waits "
                 "it bounds overflow far above), not inf or nan", "use e.g. timeout_seconds: 180")),
             allow_shared_devices=self.flag(data, "allow_shared_devices"),
+            gpu_sharing=self.scalar(data, "gpu_sharing", "time_slice", GPU_SHARING.__contains__,
+                                    "not a way to share a GPU", "use time_slice (the default) or mps"),
             allow_busy_devices=self.flag(data, "allow_busy_devices"),
             busy_memory_fraction=float(self.scalar(
                 data, "busy_memory_fraction", devices.BUSY_MEMORY_FRACTION, _is_fraction,
@@ -388,6 +390,15 @@ class _Parser:
                                      "give each role its own GPUs, or set allow_shared_devices: "
                                      "true to co-locate them on purpose (one-GPU machines)")
 
+    def check_mps(self, config: ResourceConfig) -> None:
+        """gpu_sharing: mps needs a control daemon listening where this host's workers will
+        look: without one they would silently take turns on the GPU."""
+        if config.gpu_sharing != "mps" or devices.mps_control_pipe().exists():
+            return
+        raise self.error("gpu_sharing", "mps", f"no NVIDIA MPS control daemon listens at {devices.mps_control_pipe()}",
+                         "start one with `nvidia-cuda-mps-control -d` (CUDA_MPS_PIPE_DIRECTORY for a daemon "
+                         "of your own, exported before dask-rl starts), or remove gpu_sharing")
+
     def check_devices(self, config: ResourceConfig) -> None:
         # A job-queue role's GPUs are on its jobs' nodes, not this host's.
         cuda = [spec for spec in config.roles.values() if spec.device_type == "cuda" and spec.job_queue is None]
@@ -399,6 +410,7 @@ class _Parser:
             raise self.error(f"{cuda[0].role}.device_type", "cuda", "this machine has no usable "
                              f"NVIDIA GPU ({reason if not ok else 'NVML reports 0 GPUs'})",
                              f"use device_type: cpu with workers: {cuda[0].workers}")
+        self.check_mps(config)
         have = sorted(g.index for g in gpus)
         busy = {} if config.allow_busy_devices else devices.busy_gpus(gpus, config.busy_memory_fraction)
         for spec in cuda:

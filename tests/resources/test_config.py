@@ -2,6 +2,7 @@
 error naming the file, the key path, the value and the fix."""
 
 import copy
+import os
 import pickle
 
 import pytest
@@ -386,3 +387,34 @@ def test_roles_share_a_gpu_only_when_their_device_ids_meet():
     cpu = parse_resource_config({"actor": {"device_type": "cpu"}, "rollout": {"device_type": "cpu"},
                                  "reward": {"device_type": "cpu"}}, gpus=[])
     assert not cpu.share_gpus("rollout", "actor")        # separate processes, no GPU
+
+
+ONE_GPU = {"actor": {"device_type": "cuda", "device_ids": [0]}, "rollout": {"device_type": "cuda", "device_ids": [0]},
+           "reward": {"device_type": "cpu"}, "allow_shared_devices": True}
+
+
+def test_roles_on_one_gpu_take_turns_unless_it_runs_under_mps(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    turns = parse_resource_config(ONE_GPU, gpus=GPUS)
+    assert turns.gpu_sharing == "time_slice" and turns.take_turns("rollout", "actor")
+    # No daemon listens in that directory: refused, naming the key and both ways out.
+    with pytest.raises(ResourceConfigError) as refused:
+        parse_resource_config({**ONE_GPU, "gpu_sharing": "mps"}, gpus=GPUS)
+    message = str(refused.value)
+    assert "gpu_sharing" in message and f"no NVIDIA MPS control daemon listens at {tmp_path}/control" in message
+    assert "nvidia-cuda-mps-control -d" in message and "remove gpu_sharing" in message
+    os.mkfifo(tmp_path / "control")   # what a control daemon listens on
+    mps = parse_resource_config({**ONE_GPU, "gpu_sharing": "mps"}, gpus=GPUS)
+    assert mps.share_gpus("rollout", "actor") and not mps.take_turns("rollout", "actor")
+    assert parse_resource_config(mps.to_dict(), gpus=GPUS) == mps
+    # A CPU-only file never looks for a daemon; a role on GPUs of its own never takes turns.
+    cpu = {role: {"device_type": "cpu"} for role in ("actor", "rollout", "reward")}
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    assert not parse_resource_config({**cpu, "gpu_sharing": "mps"}, gpus=[]).take_turns("rollout", "actor")
+    assert not parse_resource_config(DESIGN, gpus=GPUS).take_turns("rollout", "actor")
+
+
+def test_gpu_sharing_names_its_values():
+    with pytest.raises(ResourceConfigError) as refused:
+        parse_resource_config({**ONE_GPU, "gpu_sharing": "MPS"}, gpus=GPUS)
+    assert "gpu_sharing" in str(refused.value) and "use time_slice (the default) or mps" in str(refused.value)
