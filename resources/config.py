@@ -31,7 +31,7 @@ STRATEGIES = {
 }
 DEVICE_TYPES = ("cuda", "cpu")
 COMM_BACKENDS = ("nccl", "gloo", "auto")
-# How roles placed on one GPU share it: the driver's time slices (one process's kernels at a
+# How roles placed on one GPU share it: the NVIDIA driver's time slices (one process's kernels at a
 # time) or NVIDIA MPS, whose daemon runs the kernels of several processes at once.
 GPU_SHARING = ("time_slice", "mps")
 ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args")
