@@ -30,6 +30,7 @@ then runs in this process after dask-rl's workers are gone.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -156,15 +157,21 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         started = time.perf_counter() - start
         print(f"dask-rl: cluster and models ready in {started:.1f} s", flush=True)
 
+        driver_collections: list[float] = []
+        watch_full_collections(driver_collections)
+
         def on_step(record):
+            collected = "".join(f", full GC {pause:.2f}" for pause in driver_collections)
+            driver_collections.clear()
             seconds.append(record.seconds)
             tokens.append(record.tokens)
             phases.append(record.phases)
             staleness.append(record.staleness)   # partial rollouts trade it for shorter rollouts
             print(f"dask-rl step {record.step}: {record.seconds:.2f} s, {record.tokens} tokens, "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items()), flush=True)
+                  + ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items()) + collected, flush=True)
 
         client = trainer.fleet.client
+        client.run(watch_worker_collections)
         boot = worker_start_times(client, start_wall)
         print("dask-rl: worker processes up (after their imports) at "
               + ", ".join(f"{name} {t:.1f} s" for name, t in sorted(boot.items())), flush=True)
@@ -192,6 +199,10 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
             roles = {w["address"]: role for role in ("actor", "rollout") for w in trainer.fleet.cluster.workers_of(role)}
             torch_memory = {roles.get(address, address): stats for address, stats in
                             client.run(torch_gpu_memory).items() if stats}
+            for address, pauses in client.run(worker_collections).items():
+                if pauses:
+                    print(f"dask-rl {roles.get(address, address)}: {len(pauses)} full garbage collections, "
+                          f"{sum(pauses):.2f} s in all, longest {max(pauses):.2f} s", flush=True)
         finally:
             trainer.close()
     result = steady(seconds, tokens, args.warmup)
@@ -252,6 +263,29 @@ def torch_gpu_memory() -> dict | None:
         return None
     return {"pid": os.getpid(), "max_allocated": torch.cuda.max_memory_allocated(),
             "max_reserved": torch.cuda.max_memory_reserved(), "reserved": torch.cuda.memory_reserved()}
+
+
+def watch_full_collections(pauses: list) -> None:
+    """Append each full (generation-2) garbage collection's seconds in this process to
+    `pauses`: one walks every object, ~0.2 s with torch and transformers imported, so a pause
+    of that size in a step's phase may be one."""
+    began = [0.0]
+
+    def record(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            pauses.append(time.perf_counter() - began[0])
+    gc.callbacks.append(record)
+
+
+def watch_worker_collections(dask_worker=None) -> None:
+    dask_worker.full_collections = []
+    watch_full_collections(dask_worker.full_collections)
+
+
+def worker_collections(dask_worker=None) -> list[float]:
+    return list(getattr(dask_worker, "full_collections", []))
 
 
 def run_trl(model_dir: str, prompts: list[str], args) -> dict[str, float]:
