@@ -18,7 +18,8 @@ SMI=$!
 # and reads it from the cache in ~2 s, so a cache carried in .inductor/ (the parts a call
 # left in $OUT as inductor.tgz.*, copied there) is unpacked first, and with SAVE_INDUCTOR=1
 # the cache is packed into $OUT at exit when it fits what a call can send back (3 parts).
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor-cache}
+# It lives in .inductor-cache/ (ignored by git), which a warm machine keeps between calls.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}
 mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
 if compgen -G ".inductor/inductor.tgz.*" >/dev/null; then
     cat .inductor/inductor.tgz.* | tar -xz -C "$TORCHINDUCTOR_CACHE_DIR" \
