@@ -274,8 +274,38 @@ def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
     # A batch generated one ahead is trained by the update from v6: its carried rows by v7 at
     # the earliest, so with max_staleness 2 a row born at v4 must end now.
     assert finish_born_before(5, 2, ahead=1) == 5 and finish_born_before(5, 3, ahead=1) == 4
-    # One batch ahead only when the rollout has GPUs of its own and a version to spare.
-    assert [batches_ahead(s, shares) for s in (1, 2, 3) for shares in (False, True)] == [0, 0, 1, 0, 1, 0]
+    # One batch ahead only when the rollout does not take turns with the actor on a GPU and
+    # has a version to spare.
+    assert [batches_ahead(s, turns) for s in (1, 2, 3) for turns in (False, True)] == [0, 0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("sharing, ahead", [("time_slice", 0), ("mps", 1)])
+def test_on_the_actors_gpu_the_next_batch_generates_ahead_only_under_mps(sharing, ahead, tmp_path, monkeypatch):
+    """InFlight's choice from the resource file (NVML replaced by a GPU list; a FIFO stands
+    for the MPS control daemon's pipe): the printed mode says which, and why."""
+    import os
+    import types
+
+    from pipeline.config import make_train_config
+    from pipeline.inflight import InFlight
+    from resources import parse_resource_config
+    from resources.devices import GpuInfo
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    os.mkfifo(tmp_path / "control")
+    gpu = {"device_type": "cuda", "device_ids": [0]}
+    config = parse_resource_config(
+        {"actor": gpu, "rollout": {**gpu, "strategy": "cuda_graph"}, "reward": {"device_type": "cpu"},
+         "allow_shared_devices": True, "gpu_sharing": sharing},
+        gpus=[GpuInfo(index=0, name="H100", total_bytes=80 << 30, free_bytes=80 << 30, used_bytes=0,
+                      utilization_pct=0, process_count=0)])
+    train = make_train_config({"algorithm": "grpo", "samples_per_prompt": 4, "partial_rollouts": True,
+                               "max_staleness": 3})
+    batches = InFlight(types.SimpleNamespace(config=config), None, train, ("actor", "rollout", "reward"))
+    assert batches.ahead == ahead and batches.published_versions == ahead + 1
+    assert batches.partial_mode.startswith("the next batch generates during the update; a carried row has 2"
+                                           if ahead else "batches generate after the update (the rollout takes "
+                                           "turns with the actor on its GPU; gpu_sharing: mps lets them run at once)")
 
 
 def test_long_carried_prefixes_are_prefilled_in_passes_the_memory_plan_covers(model_and_tokenizer):
