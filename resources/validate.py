@@ -393,9 +393,10 @@ class _Parser:
     def check_mps(self, config: ResourceConfig) -> None:
         """gpu_sharing: mps needs a control daemon listening where this host's workers will
         look: without one they would silently take turns on the GPU."""
-        if config.gpu_sharing != "mps" or devices.mps_control_pipe().exists():
+        pipe = devices.mps_control_pipe()
+        if config.gpu_sharing != "mps" or pipe.exists():
             return
-        raise self.error("gpu_sharing", "mps", f"no NVIDIA MPS control daemon listens at {devices.mps_control_pipe()}",
+        raise self.error("gpu_sharing", "mps", f"no NVIDIA MPS control daemon listens at {pipe}",
                          "start one with `nvidia-cuda-mps-control -d` (CUDA_MPS_PIPE_DIRECTORY for a daemon "
                          "of your own, exported before dask-rl starts), or remove gpu_sharing")
 

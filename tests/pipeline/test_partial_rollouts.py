@@ -425,7 +425,8 @@ def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update
                                                      "has 1 more step(s) to end")
         straight = straight_run.train()
         # The batch generating during an update loads the version before it: two are kept.
-        assert published_snapshots(straight_run.fleet.snapshot_dir) == ["policy-v000003.safetensors", "policy-v000004.safetensors"]
+        assert published_snapshots(straight_run.fleet.snapshot_dir) == ["policy-v000003.safetensors",
+                                                                        "policy-v000004.safetensors"]
     assert [r.policy_version for r in straight] == [1, 2, 3, 4]
     # Batch 0 is trained on with the weights that generated it. Each later batch was generated
     # during the update before: every row it trains on is at least a version old, none more
