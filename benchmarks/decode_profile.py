@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import end_with_probability, save_qwen2_05b, word_prompts  # noqa: E402
 
+from pipeline.engines import slots as engine_slots  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
@@ -66,7 +67,10 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
+    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="kernel",
+                        help="decode attention through the Triton kernel (default) or SDPA")
     args = parser.parse_args(argv)
+    engine_slots.DECODE_KERNEL = args.decode_attention == "kernel"
     name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"
     directory = save_qwen2_05b(Path(tempfile.gettempdir()) / name, layers=args.layers)
     model = load_causal_lm(directory, device=args.device, dtype=torch.bfloat16)

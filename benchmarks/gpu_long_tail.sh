@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Long-tail figures on one GPU, each part under its own time limit (seconds, from the *_LIMIT
-# variables): PARTS="start tests engine partial prefill update grpo256 grpo256partial grpo256fixed grpo64"
+# variables): PARTS="start tests engine partial prefill attention profile update grpo256 grpo256partial grpo256fixed grpo64"
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
 # grpo256partial with train.partial_keep_kv; PREFILL_MODES="eager compiled" and LOOKS="lagged
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
 # `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
-# the slot counts decode_profile.py profiles; with MPS=1 every part runs under an NVIDIA MPS
+# the slot counts decode_profile.py profiles, DECODE_ATTENTION=sdpa|kernel its decode attention
+# (`attention` times the two alone); with MPS=1 every part runs under an NVIDIA MPS
 # daemon of its own, started here and stopped after, and dask-rl's GRPO runs say gpu_sharing: mps;
 # SKIP_TRL=1, DASK_STEPS and GRPO_ARGS (more grpo_vs_trl.py flags) apply to every GRPO part).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
@@ -56,7 +57,9 @@ for p in ${PARTS:-tests engine update}; do
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
                      --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
-        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} ;;
+        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} \
+                     ${DECODE_ATTENTION:+--decode-attention $DECODE_ATTENTION} ;;
+        attention) part attention ${ATTENTION_LIMIT:-150} python3 benchmarks/decode_attention.py ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --dask-steps ${DASK_STEPS:-6} --trl-steps ${TRL_STEPS:-3} \

@@ -16,17 +16,22 @@ and a slot whose sequence ended takes the next waiting one. What makes that chea
 The cache is this module's own tensors, reached by the model's attention through the
 `slot_cache` keyword (transformers passes a forward's extra keywords on to its attention
 function): the engine does not depend on how a transformers version lays out its caches.
-Attention for one new token reads the cache as stored (gqa_decode's packed form).
+Attention for one new token reads the cache as stored: on a GPU with one Triton kernel
+(decode_kernel.py), elsewhere through SDPA in gqa_decode's packed form.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pipeline.engines import decode_kernel
 from pipeline.engines.budget import kv_bytes_per_token, kv_layout
 from pipeline.engines.gqa_decode import packed_gqa_attention
 
 NAME = "dask_rl_slots"
+# Decode attention through decode_kernel's Triton kernel where it applies (CUDA, Triton
+# installed, a head size it tiles); False keeps SDPA everywhere (benchmarks compare the two).
+DECODE_KERNEL = True
 
 
 def slot_cache_bytes(config, dtype: torch.dtype, slots: int, length: int) -> int:
@@ -79,7 +84,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     - decode (slot_rows None): query/key/value (S, H or H_kv, 1, D) of every slot; the new
       key and value go into column `slot_columns` (1,), then the query attends to the whole
-      ring under `attention_mask` (S, 1, 1, L);
+      ring under `attention_mask` (S, 1, 1, L): on a GPU through decode_kernel's Triton
+      kernel, which skips the blocks of columns outside the slot's window;
     - prefill (slot_rows (k,)): k new prompts, left-padded to W tokens, are stored in slots
       `slot_rows` at ring columns `slot_columns` (W,) and attend among themselves as usual;
     - without a slot cache (a training or scoring forward of the same model): packed
@@ -91,11 +97,22 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if slot_rows is None:
         keys.index_copy_(2, slot_columns, key)
         values.index_copy_(2, slot_columns, value)
+        if DECODE_KERNEL and _kernel_applies(query, keys, attention_mask, dropout, kwargs):
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return decode_kernel.slot_decode_attention(query, keys, values, attention_mask, scale), None
         return packed_gqa_attention(module, query, keys, values, attention_mask, scaling=scaling)
     # (k, H_kv, W, D) -> the (k, W) cells (slot, column), each an (H_kv, D) block.
     keys[slot_rows[:, None], :, slot_columns[None, :]] = key.transpose(1, 2).to(keys.dtype)
     values[slot_rows[:, None], :, slot_columns[None, :]] = value.transpose(1, 2).to(values.dtype)
     return packed_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _kernel_applies(query, keys, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """The Triton decode kernel computes plain softmax attention under a boolean mask shared
+    by a slot's heads; anything else (soft-capping, dropout, other masks) stays with SDPA."""
+    return (not dropout and kwargs.get("softcap") is None and attention_mask is not None
+            and attention_mask.dtype == torch.bool and attention_mask.shape[1:3] == (1, 1)
+            and decode_kernel.usable(query, keys))
 
 
 def use_slot_attention(model) -> None:

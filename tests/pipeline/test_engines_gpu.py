@@ -233,3 +233,52 @@ def test_refills_and_moves_launch_without_waiting_for_the_device(model, monkeypa
           f"{engine.last_stats['prefill_passes']} prefill passes: {dict(places)}")
     assert engine.last_stats["prefill_passes"] > 4 and looks > 20
     assert sum(places.values()) <= 8, places   # the request's start and end
+
+
+def _windowed_mask(slots: int, length: int, generator) -> torch.Tensor:
+    """(S, 1, 1, L) masks of contiguous windows at random places in the ring, some wrapping
+    past its end; slot 0 keeps one column, slot 1 the whole ring."""
+    mask = torch.zeros(slots, 1, 1, length, dtype=torch.bool)
+    for slot in range(slots):
+        size = int(torch.randint(1, length + 1, (1,), generator=generator))
+        start = int(torch.randint(0, length, (1,), generator=generator))
+        mask[slot, 0, 0, [(start + i) % length for i in range(size)]] = True
+    mask[0, 0, 0, :] = False
+    mask[0, 0, 0, length // 2] = True
+    if slots > 1:
+        mask[1, 0, 0, :] = True
+    return mask
+
+
+@pytest.mark.parametrize("slots,heads,kv_heads,dim,length", [
+    (256, 14, 2, 64, 1152),   # Qwen2-0.5B's heads at the long-tail ring: one split a program
+    (8, 14, 2, 64, 1152),     # few slots: the ring split across programs, merged by log-sum-exp
+    (3, 4, 2, 128, 200),      # a ring that is not a multiple of the kernel's blocks
+    (4, 8, 8, 64, 64),        # no grouping
+])
+def test_decode_kernel_matches_float32_attention_over_wrapping_windows(slots, heads, kv_heads, dim, length):
+    from pipeline.engines import decode_kernel
+    from pipeline.engines.gqa_decode import packed_gqa_attention
+
+    generator = torch.Generator().manual_seed(slots + length)
+    query = torch.randn(slots, heads, 1, dim, generator=generator).to("cuda", torch.bfloat16)
+    keys, values = (torch.randn(slots + 2, kv_heads, length, dim, generator=generator)[:slots].to("cuda", torch.bfloat16)
+                    for _ in range(2))
+    mask = _windowed_mask(slots, length, generator).cuda()
+    assert decode_kernel.usable(query, keys)   # so the engine's tests above ran through it too
+    scale = dim ** -0.5
+    out = decode_kernel.slot_decode_attention(query, keys, values, mask, scale)
+
+    group = heads // kv_heads
+    scores = torch.einsum("shgd,shld->shgl", query.float().reshape(slots, kv_heads, group, dim), keys.float()) * scale
+    weights = scores.masked_fill(~mask.reshape(slots, 1, 1, length), float("-inf")).softmax(-1)
+    expected = torch.einsum("shgl,shld->shgd", weights, values.float()).reshape(slots, 1, heads, dim)
+    module = type("Layer", (), {"num_key_value_groups": group})()
+    sdpa = packed_gqa_attention(module, query, keys, values, mask, scaling=scale)[0]
+    assert out.shape == sdpa.shape == (slots, 1, heads, dim) and out.dtype == torch.bfloat16
+    kernel_error = (out.float() - expected).abs().max().item()
+    sdpa_error = (sdpa.float() - expected).abs().max().item()
+    print(f"decode kernel: largest difference to float32 {kernel_error:.4f} (SDPA's {sdpa_error:.4f})")
+    assert kernel_error <= max(2 * sdpa_error, 1e-2)
+    # The one-column slot returns that column's value exactly (a softmax over one score).
+    torch.testing.assert_close(out[0, 0].float(), values[0, torch.arange(heads) // group, length // 2].float())
