@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.engines.decode_kernel import slot_decode_attention  # noqa: E402
+from pipeline.engines.decode_kernel import prepare, slot_decode_attention  # noqa: E402
 from pipeline.engines.gqa_decode import packed_gqa_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 14, 2, 64
@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mean-window", type=int, default=350)
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args(argv)
+    if not prepare("cuda"):
+        raise SystemExit("the Triton decode kernel needs an Ampere or newer NVIDIA GPU and Triton")
     generator = torch.Generator().manual_seed(0)
     scale = DIM ** -0.5
     print("slots  ring  windows   SDPA us  kernel us  SDPA/kernel  max diff SDPA / kernel")

@@ -17,21 +17,28 @@ and softmax over the same columns.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 BLOCK_COLUMNS = 64       # ring columns a program reads at once
 PROGRAMS_WANTED = 1024   # splits are added until slots x KV heads x splits reach this
 
 
-def usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the kernel serves this decode step: a CUDA tensor on an Ampere or newer GPU
-    (Triton's bf16 products), Triton importable, a head size it tiles (a power of two from
-    16 to 256) and at most 16 query heads a KV head."""
-    if not query.is_cuda or torch.version.hip or torch.cuda.get_device_capability(query.device) < (8, 0):
+def prepare(device) -> bool:
+    """Define the kernel for `device` if it can run there: a CUDA GPU of the Ampere
+    generation or newer (Triton's bf16 products) with Triton installed. Called where the
+    engine is built, outside compiled code (importing Triton is no graph operation)."""
+    global _ready
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) < (8, 0):
         return False
-    if not _triton_kernel():
+    _ready = _ready or _define_op()
+    return _ready
+
+
+def usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernel serves this decode step: prepared, a CUDA tensor, a head size it
+    tiles (a power of two from 16 to 256) and at most 16 query heads a KV head."""
+    if not _ready or not query.is_cuda:
         return False
     heads, kv_heads, dim = query.shape[1], key_cache.shape[1], query.shape[-1]
     return dim in (16, 32, 64, 128, 256) and heads % kv_heads == 0 and heads // kv_heads <= 16
@@ -41,19 +48,22 @@ def slot_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
                           mask: torch.Tensor, scale: float) -> torch.Tensor:
     """query (S, H, 1, D), keys/values (S, H_kv, L, D), mask (S, 1, 1, L) bool ->
     (S, 1, H, D): softmax(q k^T * scale) v over the columns `mask` keeps, per slot and head
-    (head h reads KV head h // (H / H_kv)). Every slot's mask keeps at least one column."""
-    return _triton_kernel()(query, keys, values, mask, scale)
+    (head h reads KV head h // (H / H_kv)). Every slot's mask keeps at least one column.
+    Needs prepare() first."""
+    return torch.ops.dask_rl.slot_decode_attention(query, keys, values, mask, scale)
 
 
-@functools.cache
-def _triton_kernel():
-    """The Triton kernel and the custom op around it, defined on first use (None without
-    Triton: CPU-only installs)."""
+_ready = False
+
+
+def _define_op() -> bool:
+    """Define the Triton kernel and register the custom op around it (False without Triton:
+    CPU-only installs)."""
     try:
         import triton
         import triton.language as tl
     except ImportError:
-        return None
+        return False
 
     @triton.jit
     def kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr,
@@ -104,7 +114,7 @@ def _triton_kernel():
         query = query.reshape(slots, heads, dim)
         if query.stride(-1) != 1:
             query = query.contiguous()
-        flags = mask.reshape(slots, length).view(torch.uint8)
+        flags = mask.reshape(slots, length)
         blocks = triton.cdiv(length, BLOCK_COLUMNS)
         splits = max(1, min(blocks, triton.cdiv(PROGRAMS_WANTED, slots * kv_heads)))
         columns_per_split = triton.cdiv(blocks, splits) * BLOCK_COLUMNS
@@ -125,4 +135,4 @@ def _triton_kernel():
         merged = (out * weights[..., None]).sum(2) / weights.sum(2)[..., None]
         return merged.reshape(slots, 1, heads, dim).to(query.dtype)
 
-    return op
+    return True

@@ -121,6 +121,7 @@ def use_slot_attention(model) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+    decode_kernel.prepare(next(model.parameters()).device)
     if getattr(model.config, "_attn_implementation", None) == NAME:
         return
     AttentionInterface.register(NAME, slot_attention)

@@ -265,7 +265,7 @@ def test_decode_kernel_matches_float32_attention_over_wrapping_windows(slots, he
     keys, values = (torch.randn(slots + 2, kv_heads, length, dim, generator=generator)[:slots].to("cuda", torch.bfloat16)
                     for _ in range(2))
     mask = _windowed_mask(slots, length, generator).cuda()
-    assert decode_kernel.usable(query, keys)   # so the engine's tests above ran through it too
+    assert decode_kernel.prepare("cuda") and decode_kernel.usable(query, keys)   # the engine's tests use it too
     scale = dim ** -0.5
     out = decode_kernel.slot_decode_attention(query, keys, values, mask, scale)
 
