@@ -18,7 +18,7 @@ from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
 from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy, warm_up_batch
-from pipeline.roles.host import resolve_device, role_state
+from pipeline.roles.host import resolve_device, role_state, settle_heap
 from pipeline.roles.training import GroupInfo, Trainable
 from resources.allocator import rows_per_micro_batch
 
@@ -89,6 +89,7 @@ class ActorRole:
         if proximal:   # updates of several optimizer steps score the proximal policy first (_logprobs)
             with torch.no_grad():
                 response_logprobs(model.eval(), ids, mask, prompt, temperature, pack=pack)
+        settle_heap()   # the compiled graphs and their guards live as long as the model
         seconds = time.perf_counter() - start
         logger.info("dask-rl: actor compiled its update in %.1f s, before its first batch", seconds)
         return seconds

@@ -10,6 +10,7 @@ leave tasks visible on the dashboard and let a lost task be recomputed elsewhere
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -70,6 +71,7 @@ class RoleHost(WorkerPlugin):
         self.load_started, start = time.time(), time.perf_counter()
         try:
             self.state = await asyncio.to_thread(self._build, worker.plugins.get(BackgroundImports.name))
+            settle_heap()
         except BaseException as error:  # reported by the first task rather than killing the worker
             logger.exception("dask-rl: %s worker %s failed to load its model", self.role, worker.name)
             self.error = error
@@ -96,6 +98,17 @@ class RoleHost(WorkerPlugin):
         if callable(close):
             close()
         self.state = None
+
+
+def settle_heap() -> None:
+    """Collect what a build or compile left behind, then keep every object alive now out of
+    later full garbage collections (gc.freeze). A full collection walks every tracked object:
+    with torch, transformers and a 0.5B model loaded that is 0.27 s on a CPU host, and the
+    actor of a 12-step GRPO run on an H100 paused five times for 2.0 s in all (the longest
+    0.57 s), the rollout three times for 1.0 s. Frozen objects are the role's model, modules and caches,
+    which live as long as the worker; garbage made later is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def load_times(dask_worker=None) -> dict[str, tuple[float, float, float]]:

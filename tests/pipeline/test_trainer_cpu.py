@@ -151,6 +151,18 @@ def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engin
                for started, seconds, waited in built.values())
     # Every worker imported torch and transformers in the background from its start.
     assert set(shared_cluster.client.run(_background_imports).values()) == {True}
+    # Each role worker froze what its build (and the rollout's first decode shapes) left
+    # alive: later full garbage collections walk far fewer objects than it holds.
+    built_on = [w["address"] for role in ("rollout", "reward", "actor") for w in shared_cluster.workers_of(role)]
+    for address, (frozen, tracked) in shared_cluster.client.run(_heap_counts, workers=built_on).items():
+        print(f"{address}: {frozen} objects frozen, {tracked} tracked by the collector")
+        assert frozen > 10_000 and tracked < frozen
+
+
+def _heap_counts(dask_worker=None) -> tuple[int, int]:
+    import gc
+
+    return gc.get_freeze_count(), len(gc.get_objects())
 
 
 def _background_imports(dask_worker=None):
