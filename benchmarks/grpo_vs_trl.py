@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import decode_seconds, end_with_probability, save_qwen2_05b, word_prompts  # noqa: E402
@@ -158,7 +159,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         print(f"dask-rl: cluster and models ready in {started:.1f} s", flush=True)
 
         driver_collections: list[float] = []
-        watch_full_collections(driver_collections)
+        stop_watching = watch_full_collections(driver_collections)
 
         def on_step(record):
             collected = "".join(f", full GC {pause:.2f}" for pause in driver_collections)
@@ -206,6 +207,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                     print(f"dask-rl {roles.get(address, address)}: {len(pauses)} full garbage collections, "
                           f"{sum(pauses):.2f} s in all, longest {max(pauses):.2f} s", flush=True)
         finally:
+            stop_watching()   # TRL's part runs in this process next
             trainer.close()
     result = steady(seconds, tokens, args.warmup)
     result["update_seconds"] = statistics.median(p.get("update", 0.0) for p in phases[args.warmup:])
@@ -274,10 +276,10 @@ def torch_gpu_memory() -> dict | None:
             "max_reserved": torch.cuda.max_memory_reserved(), "reserved": torch.cuda.memory_reserved()}
 
 
-def watch_full_collections(pauses: list) -> None:
+def watch_full_collections(pauses: list) -> Callable[[], None]:
     """Append each full (generation-2) garbage collection's seconds in this process to
     `pauses`: one walks every object, ~0.2 s with torch and transformers imported, so a pause
-    of that size in a step's phase may be one."""
+    of that size in a step's phase may be one. Returns what stops it."""
     began = [0.0]
 
     def record(phase, info):
@@ -286,6 +288,7 @@ def watch_full_collections(pauses: list) -> None:
         elif info["generation"] == 2:
             pauses.append(time.perf_counter() - began[0])
     gc.callbacks.append(record)
+    return lambda: gc.callbacks.remove(record)
 
 
 def watch_worker_collections(dask_worker=None) -> None:
