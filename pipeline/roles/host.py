@@ -103,7 +103,7 @@ class RoleHost(WorkerPlugin):
 def settle_heap() -> None:
     """Collect what a build or compile left behind, then keep every object alive now out of
     later full garbage collections (gc.freeze). A full collection walks every tracked object:
-    with torch, transformers and a 0.5B model loaded that is 0.27 s on a CPU host, and the
+    with torch, transformers and a 0.5B model loaded that is 0.24 s on a CPU host, and the
     actor of a 12-step GRPO run on an H100 paused five times for 2.0 s in all (the longest
     0.57 s), the rollout three times for 1.0 s. Frozen objects are the role's model, modules and caches,
     which live as long as the worker; garbage made later is collected as before."""
