@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
-    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="kernel",
-                        help="decode attention through the Triton kernel (default) or SDPA")
+    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="sdpa",
+                        help="decode attention through SDPA (the default) or the Triton kernel")
     args = parser.parse_args(argv)
     engine_slots.DECODE_KERNEL = args.decode_attention == "kernel"
     name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"

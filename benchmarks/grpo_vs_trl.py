@@ -182,8 +182,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                           f"for the imports)" for role, (began, took, waited) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
-        if args.decode_attention == "sdpa":
-            client.run(decode_with_sdpa)
+        if args.decode_attention == "kernel":
+            client.run(decode_with_kernel)
         if args.end_probability:
             print(f"dask-rl: responses end with probability {args.end_probability} a token on "
                   f"{client.run(end_responses_with_probability, args.end_probability)}", flush=True)
@@ -259,11 +259,11 @@ def set_logit_chunk(tokens: int) -> None:
     forward.LOGIT_CHUNK_TOKENS = tokens
 
 
-def decode_with_sdpa() -> None:
-    """The rollout engine's decode attention through SDPA instead of the Triton kernel."""
+def decode_with_kernel() -> None:
+    """The rollout engine's decode attention through the Triton kernel instead of SDPA."""
     from pipeline.engines import slots
 
-    slots.DECODE_KERNEL = False
+    slots.DECODE_KERNEL = True
 
 
 def torch_gpu_memory() -> dict | None:
@@ -371,8 +371,8 @@ def main(argv=None) -> int:
                         help="dask-rl with train.partial_keep_kv: a row still in its slot decodes on there")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
-    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="kernel",
-                        help="the rollout engine's decode attention: the Triton kernel (default) or SDPA")
+    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="sdpa",
+                        help="the rollout engine's decode attention: SDPA (the default) or the Triton kernel")
     parser.add_argument("--logit-chunk", type=int, default=0,
                         help="response tokens the actor projects onto the vocabulary at once (0: the default)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))

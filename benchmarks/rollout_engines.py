@@ -287,8 +287,8 @@ def main(argv=None) -> int:
                              "each; each is timed")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
-    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="kernel",
-                        help="decode attention through the Triton kernel (default) or SDPA")
+    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="sdpa",
+                        help="decode attention through SDPA (the default) or the Triton kernel")
     args = parser.parse_args(argv)
     engine_slots.DECODE_KERNEL = args.decode_attention == "kernel"
     model = load_causal_lm(save_qwen2_05b(args.model_dir), device="cuda", dtype=torch.bfloat16).eval()

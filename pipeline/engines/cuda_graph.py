@@ -9,10 +9,9 @@ of a decode step launching kernels from Python. Here:
   waiting one (continuous batching, continuous.py): on long-tailed response lengths the
   decode steps serve live rows instead of waiting for a static batch's longest row; once
   none wait, the live rows move into fewer slots, so the tail decodes at a smaller batch;
-- the KV cache is one ring per slot batch (slots.py), read as stored: a Triton kernel
-  reads each KV head's keys and values once for all its query heads and skips the blocks
-  of columns outside a slot's window (decode_kernel.py; SDPA over grouped-query heads packed
-  onto the KV heads, gqa_decode.py, where Triton or an Ampere GPU is missing);
+- the KV cache is one ring per slot batch (slots.py), read as stored: grouped-query heads
+  are packed onto the cache's KV heads instead of copying it once per query head
+  (gqa_decode.py; slots.DECODE_KERNEL swaps in a Triton kernel, decode_kernel.py);
 - each decode step (the model's forward for one token, temperature / min-p / top-k /
   top-p sampling and the sampled token's unfiltered logprob) is one function compiled by
   torch.compile in "reduce-overhead" mode, which captures it as a CUDA graph and replays it;

@@ -16,8 +16,8 @@ and a slot whose sequence ended takes the next waiting one. What makes that chea
 The cache is this module's own tensors, reached by the model's attention through the
 `slot_cache` keyword (transformers passes a forward's extra keywords on to its attention
 function): the engine does not depend on how a transformers version lays out its caches.
-Attention for one new token reads the cache as stored: on a GPU with one Triton kernel
-(decode_kernel.py), elsewhere through SDPA in gqa_decode's packed form.
+Attention for one new token reads the cache as stored (gqa_decode's packed form; with
+DECODE_KERNEL, decode_kernel.py's Triton kernel on a GPU).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from pipeline.engines.gqa_decode import packed_gqa_attention
 
 NAME = "dask_rl_slots"
 # Decode attention through decode_kernel's Triton kernel where it applies (CUDA, Triton
-# installed, a head size it tiles); False keeps SDPA everywhere (benchmarks compare the two).
-DECODE_KERNEL = True
+# installed, a head size it tiles) instead of SDPA. Off by default until it is measured on a
+# GPU: so far it has matched float32 attention in Triton's CPU interpreter (float16 inputs;
+# the interpreter misreads bf16). Benchmarks and the GPU tests turn it on to compare the two.
+DECODE_KERNEL = False
 
 
 def slot_cache_bytes(config, dtype: torch.dtype, slots: int, length: int) -> int:
@@ -84,8 +86,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     - decode (slot_rows None): query/key/value (S, H or H_kv, 1, D) of every slot; the new
       key and value go into column `slot_columns` (1,), then the query attends to the whole
-      ring under `attention_mask` (S, 1, 1, L): on a GPU through decode_kernel's Triton
-      kernel, which skips the blocks of columns outside the slot's window;
+      ring under `attention_mask` (S, 1, 1, L) (with DECODE_KERNEL, on a GPU through
+      decode_kernel's Triton kernel, which skips the blocks of columns outside the slot's window);
     - prefill (slot_rows (k,)): k new prompts, left-padded to W tokens, are stored in slots
       `slot_rows` at ring columns `slot_columns` (W,) and attend among themselves as usual;
     - without a slot cache (a training or scoring forward of the same model): packed

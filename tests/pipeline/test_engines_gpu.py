@@ -109,11 +109,19 @@ def test_graph_loop_stops_at_any_stop_id_and_string_and_reports_unfiltered_logpr
     assert {"id", "string"} <= set(endings), endings
 
 
-def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(model):
+@pytest.mark.parametrize("decode_attention", ["sdpa", "kernel"])
+def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(model, decode_attention, monkeypatch):
     """256 sequences through 64 captured slots on geometric lengths (each token ends a
     response with probability 0.03, cut at 256): slots refill from the queue, the tail moves
-    into fewer slots, and the logprobs stay as close to the actor's as a static batch's."""
+    into fewer slots, and the logprobs stay as close to the actor's as a static batch's,
+    with decode attention through SDPA and through the Triton kernel (windows all over the
+    ring, wrapping past its end, as slots refill)."""
     import torch._dynamo.utils
+
+    from pipeline.engines import decode_kernel, slots
+
+    monkeypatch.setattr(slots, "DECODE_KERNEL", decode_attention == "kernel")
+    assert decode_attention == "sdpa" or decode_kernel.prepare("cuda")
 
     # Down to 8 slots (the default stops at 32): the test's 64 slots would otherwise shrink once.
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64, fewest_slots=8)
@@ -128,7 +136,7 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
         hook.remove()
     lengths = rollout.response_mask.sum(-1)
     stats = engine.last_stats
-    print(f"continuous batching: mean length {lengths.mean():.1f}, longest {lengths.max():.0f}, "
+    print(f"continuous batching ({decode_attention}): mean length {lengths.mean():.1f}, longest {lengths.max():.0f}, "
           f"{stats['decode_steps']} decode steps, slot use {stats['slot_use']:.2f}; logprob difference "
           f"mean {diff.mean():.4f}, max {diff.max():.4f}; ms a decode step at each slot count {stats['step_ms']}")
     assert len(rollout) == 256 and 20 < lengths.float().mean() < 45 and lengths.max() > 120
@@ -265,7 +273,7 @@ def test_decode_kernel_matches_float32_attention_over_wrapping_windows(slots, he
     keys, values = (torch.randn(slots + 2, kv_heads, length, dim, generator=generator)[:slots].to("cuda", torch.bfloat16)
                     for _ in range(2))
     mask = _windowed_mask(slots, length, generator).cuda()
-    assert decode_kernel.prepare("cuda") and decode_kernel.usable(query, keys)   # the engine's tests use it too
+    assert decode_kernel.prepare("cuda") and decode_kernel.usable(query, keys)
     scale = dim ** -0.5
     out = decode_kernel.slot_decode_attention(query, keys, values, mask, scale)
 
