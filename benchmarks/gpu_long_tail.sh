@@ -7,8 +7,8 @@
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
 # `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
-# the slot counts decode_profile.py profiles, DECODE_ATTENTION=sdpa|kernel its decode attention
-# (`attention` times the two alone); with MPS=1 every part runs under an NVIDIA MPS
+# the slot counts decode_profile.py profiles; DECODE_ATTENTION=sdpa|kernel is the cuda_graph
+# engine's decode attention in every part (`attention` times the two alone); with MPS=1 every part runs under an NVIDIA MPS
 # daemon of its own, started here and stopped after, and dask-rl's GRPO runs say gpu_sharing: mps;
 # SKIP_TRL=1, DASK_STEPS and GRPO_ARGS (more grpo_vs_trl.py flags) apply to every GRPO part).
 # OUT=/tmp/gpu bash benchmarks/gpu_long_tail.sh
@@ -38,6 +38,8 @@ if [ -n "${MPS:-}" ]; then   # one CUDA context for every process: kernels of tw
     GRPO_ARGS="${GRPO_ARGS:-} --gpu-sharing mps"
     trap 'echo quit | nvidia-cuda-mps-control; kill $SMI 2>/dev/null; save_inductor_cache' EXIT
 fi
+DECODE=${DECODE_ATTENTION:+--decode-attention $DECODE_ATTENTION}
+GRPO_ARGS="${GRPO_ARGS:-} $DECODE"
 for p in ${PARTS:-tests engine update}; do
     case $p in
         start) for i in 1 2; do part start_probe_$i ${START_LIMIT:-60} python3 benchmarks/start_probe.py; done
@@ -46,19 +48,18 @@ for p in ${PARTS:-tests engine update}; do
         tests) part tests ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -s \
                    tests/pipeline/test_mps_gpu.py tests/pipeline/test_engines_gpu.py tests/pipeline/test_packing_gpu.py ${TESTS_K:+-k "$TESTS_K"} ;;
         engine) part engine ${ENGINE_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
-                    --long-tail 0.004 0.0075 --skip-generate --repeats 2 --json "$OUT/long_tail.json" ;;
+                    --long-tail 0.004 0.0075 --skip-generate --repeats 2 $DECODE --json "$OUT/long_tail.json" ;;
         partial) part partial ${PARTIAL_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
                      --long-tail ${LONG_TAIL:-0.004 0.0075} --partial 6 --request-groups ${REQUEST_GROUPS:-3} --max-staleness ${MAX_STALENESS:-2} \
                      --kv ${KV:-prefill keep} --refill-share ${REFILL_SHARES:-16} --prefill ${PREFILL_MODES:-eager} --looks ${LOOKS:-lagged} \
-                     --json "$OUT/partial.json" ;;
+                     $DECODE --json "$OUT/partial.json" ;;
         grpo256partial) part grpo256partial ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
                      --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
                      --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
-        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} \
-                     ${DECODE_ATTENTION:+--decode-attention $DECODE_ATTENTION} ;;
+        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} $DECODE ;;
         attention) part attention ${ATTENTION_LIMIT:-150} python3 benchmarks/decode_attention.py ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
