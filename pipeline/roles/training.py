@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.roles.forward import compile_for_training
+from pipeline.roles.host import settle_heap
 from pipeline.roles.optimizer_step import MicroBatchedSteps
 from pipeline.roles.saved_state import Recovery, load_state, recover, save_state
 from resources.allocator import MicroBatchAllocator
@@ -133,6 +134,7 @@ class Trainable(MicroBatchedSteps):
                     dist.broadcast(param.data, src=0)
         if state is not None:
             self._load_optimizer(state)
+            settle_heap()   # the replaced model and optimizer were frozen with the worker's heap
         logger.info("dask-rl: joined group generation %d as rank %d/%d (%s, %s)", group.generation,
                     group.rank, group.world_size, group.backend, self.strategy)
 

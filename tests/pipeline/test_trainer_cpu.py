@@ -159,6 +159,31 @@ def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engin
         assert frozen > 10_000 and tracked < frozen
 
 
+def test_settling_the_heap_again_frees_a_frozen_cycle_dropped_since():
+    """host.settle_heap freezes what is alive; a cycle frozen there and dropped later (a
+    replaced compiled model is one) survives plain collections, and the next settle frees it."""
+    import gc
+    import weakref
+
+    from pipeline.roles.host import settle_heap
+
+    class Node:
+        pass
+
+    node = Node()
+    node.itself = node   # a reference cycle: only the garbage collector frees it
+    alive = weakref.ref(node)
+    try:
+        settle_heap()
+        del node
+        gc.collect()
+        assert alive() is not None, "frozen: out of reach of collections"
+        settle_heap()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
+
+
 def _heap_counts(dask_worker=None) -> tuple[int, int]:
     import gc
 
