@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import end_with_probability, save_qwen2_05b, word_prompts  # noqa: E402
+from shapes import (  # noqa: E402
+    add_decode_attention_option, end_with_probability, save_qwen2_05b, use_decode_attention, word_prompts,
+)
 
-from pipeline.engines import slots as engine_slots  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
@@ -67,10 +68,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
-    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="sdpa",
-                        help="decode attention through SDPA (the default) or the Triton kernel")
+    add_decode_attention_option(parser)
     args = parser.parse_args(argv)
-    engine_slots.DECODE_KERNEL = args.decode_attention == "kernel"
+    use_decode_attention(args.decode_attention)
     name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"
     directory = save_qwen2_05b(Path(tempfile.gettempdir()) / name, layers=args.layers)
     model = load_causal_lm(directory, device=args.device, dtype=torch.bfloat16)

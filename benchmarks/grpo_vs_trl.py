@@ -42,7 +42,10 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import decode_seconds, end_with_probability, save_qwen2_05b, word_prompts  # noqa: E402
+from shapes import (  # noqa: E402
+    add_decode_attention_option, decode_seconds, end_with_probability, save_qwen2_05b, use_decode_attention,
+    word_prompts,
+)
 
 SAMPLES = 8
 PROMPT_TOKENS = 128
@@ -182,8 +185,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                           f"for the imports)" for role, (began, took, waited) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
-        if args.decode_attention == "kernel":
-            client.run(decode_with_kernel)
+        client.run(use_decode_attention, args.decode_attention)
         if args.end_probability:
             print(f"dask-rl: responses end with probability {args.end_probability} a token on "
                   f"{client.run(end_responses_with_probability, args.end_probability)}", flush=True)
@@ -257,13 +259,6 @@ def set_logit_chunk(tokens: int) -> None:
     from pipeline.roles import forward
 
     forward.LOGIT_CHUNK_TOKENS = tokens
-
-
-def decode_with_kernel() -> None:
-    """The rollout engine's decode attention through the Triton kernel instead of SDPA."""
-    from pipeline.engines import slots
-
-    slots.DECODE_KERNEL = True
 
 
 def torch_gpu_memory() -> dict | None:
@@ -371,8 +366,7 @@ def main(argv=None) -> int:
                         help="dask-rl with train.partial_keep_kv: a row still in its slot decodes on there")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
-    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="sdpa",
-                        help="the rollout engine's decode attention: SDPA (the default) or the Triton kernel")
+    add_decode_attention_option(parser)
     parser.add_argument("--logit-chunk", type=int, default=0,
                         help="response tokens the actor projects onto the vocabulary at once (0: the default)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))

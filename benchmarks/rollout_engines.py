@@ -37,10 +37,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import end_with_probability, mean_geometric_length, partial_requests, save_qwen2_05b  # noqa: E402
+from shapes import (  # noqa: E402
+    add_decode_attention_option, end_with_probability, mean_geometric_length, partial_requests, save_qwen2_05b,
+    use_decode_attention,
+)
 
 from pipeline.engines import continuous  # noqa: E402
-from pipeline.engines import slots as engine_slots  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
@@ -287,10 +289,9 @@ def main(argv=None) -> int:
                              "each; each is timed")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
-    parser.add_argument("--decode-attention", choices=["kernel", "sdpa"], default="sdpa",
-                        help="decode attention through SDPA (the default) or the Triton kernel")
+    add_decode_attention_option(parser)
     args = parser.parse_args(argv)
-    engine_slots.DECODE_KERNEL = args.decode_attention == "kernel"
+    use_decode_attention(args.decode_attention)
     model = load_causal_lm(save_qwen2_05b(args.model_dir), device="cuda", dtype=torch.bfloat16).eval()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if args.long_tail and args.partial:

@@ -83,6 +83,20 @@ def end_with_probability(model, eos_id: int, probability):
     return model.get_output_embeddings().register_forward_hook(hook)
 
 
+def add_decode_attention_option(parser) -> None:
+    """--decode-attention: the cuda_graph engine's decode attention, for A/B runs."""
+    parser.add_argument("--decode-attention", choices=["sdpa", "kernel"], default="sdpa",
+                        help="the cuda_graph engine's decode attention: SDPA (the default) or the Triton "
+                             "kernel (pipeline/engines/decode_kernel.py)")
+
+
+def use_decode_attention(choice: str, dask_worker=None) -> None:
+    """Set the engine's decode attention in this process (through client.run: on a worker)."""
+    from pipeline.engines import slots
+
+    slots.DECODE_KERNEL = choice == "kernel"
+
+
 def decode_seconds(steps_at: dict[int, int], step_ms: dict[int, float], floor: int = 0) -> float:
     """Seconds of a request's decode steps: steps_at[s] steps at s slots, each taking
     step_ms[s] milliseconds (the cuda_graph engine's last_stats). With `floor`, the steps at
