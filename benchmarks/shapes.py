@@ -85,9 +85,9 @@ def end_with_probability(model, eos_id: int, probability):
 
 def add_decode_attention_option(parser) -> None:
     """--decode-attention: the cuda_graph engine's decode attention, for A/B runs."""
-    parser.add_argument("--decode-attention", choices=["sdpa", "kernel"], default="sdpa",
-                        help="the cuda_graph engine's decode attention: SDPA (the default) or the Triton "
-                             "kernel (pipeline/engines/decode_kernel.py)")
+    parser.add_argument("--decode-attention", choices=["sdpa", "kernel"], default="kernel",
+                        help="the cuda_graph engine's decode attention: the Triton kernel "
+                             "(pipeline/engines/decode_kernel.py, the default) or SDPA")
 
 
 def use_decode_attention(choice: str, dask_worker=None) -> None:

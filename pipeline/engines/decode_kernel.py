@@ -89,7 +89,8 @@ def _define_op() -> bool:
             kept = tl.load(mask_ptr + slot * mask_slot + columns, mask=columns < last, other=0) != 0
             if tl.max(kept.to(tl.int32), axis=0) > 0:
                 key = tl.load(k_base + columns[:, None] * k_col + dims[None, :], mask=kept[:, None], other=0.0)
-                scores = tl.dot(query, tl.trans(key)) * scale
+                # float32 whatever type the launcher gives `scale` (Inductor passes a float64).
+                scores = (tl.dot(query, tl.trans(key)) * scale).to(tl.float32)
                 scores = tl.where(kept[None, :], scores, float("-inf"))
                 new_top = tl.maximum(top, tl.max(scores, axis=1))
                 weights = tl.exp(scores - new_top[:, None])
