@@ -8,6 +8,7 @@ rows end with probability --end-probability a token, so a request is short) and 
 GPU time a step, the kernels a step, and the kernels that take the most time.
 
     python benchmarks/decode_profile.py --slots 8 256
+    python benchmarks/decode_profile.py --slots 256 --unfused    # projections unfused, to compare
 
 Each slot count is one decode graph to compile (from Inductor's cache where it has it).
 """
@@ -34,7 +35,7 @@ from pipeline.records import GenerationRequest  # noqa: E402
 def profile_slots(model, tokenizer, slots: int, args) -> None:
     cuda = args.device == "cuda"
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device=args.device,
-                             max_batch_size=slots, fewest_slots=slots)
+                             max_batch_size=slots, fewest_slots=slots, fuse=not args.unfused)
     prompts = [tokenizer(text)["input_ids"] for text in word_prompts(slots, args.prompt)]
     request = GenerationRequest(prompts, list(range(slots)), 1, args.new_tokens, 1.0, seed=0)
     engine.generate(request, 0)   # compiles this slot count's graph
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
+    parser.add_argument("--unfused", action="store_true",
+                        help="each projection its own product (the engine fuses query/key/value and gate/up)")
     add_decode_attention_option(parser)
     args = parser.parse_args(argv)
     use_decode_attention(args.decode_attention)
