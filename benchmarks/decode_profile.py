@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import (  # noqa: E402
-    add_decode_attention_option, end_with_probability, save_qwen2_05b, use_decode_attention, word_prompts,
+    add_decode_attention_option, end_with_probability, save_qwen2_05b, word_prompts,
 )
 
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
@@ -35,7 +35,8 @@ from pipeline.records import GenerationRequest  # noqa: E402
 def profile_slots(model, tokenizer, slots: int, args) -> None:
     cuda = args.device == "cuda"
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device=args.device,
-                             max_batch_size=slots, fewest_slots=slots, fuse=not args.unfused)
+                             max_batch_size=slots, fewest_slots=slots,
+                             decode_attention=args.decode_attention, fuse_projections=not args.unfused)
     prompts = [tokenizer(text)["input_ids"] for text in word_prompts(slots, args.prompt)]
     request = GenerationRequest(prompts, list(range(slots)), 1, args.new_tokens, 1.0, seed=0)
     engine.generate(request, 0)   # compiles this slot count's graph
@@ -73,7 +74,6 @@ def main(argv=None) -> int:
                         help="each projection its own product (the engine fuses query/key/value and gate/up)")
     add_decode_attention_option(parser)
     args = parser.parse_args(argv)
-    use_decode_attention(args.decode_attention)
     name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"
     directory = save_qwen2_05b(Path(tempfile.gettempdir()) / name, layers=args.layers)
     model = load_causal_lm(directory, device=args.device, dtype=torch.bfloat16)

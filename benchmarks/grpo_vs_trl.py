@@ -43,7 +43,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import (  # noqa: E402
-    add_decode_attention_option, decode_seconds, end_with_probability, save_qwen2_05b, use_decode_attention,
+    add_decode_attention_option, decode_seconds, end_with_probability, save_qwen2_05b,
     word_prompts,
 )
 
@@ -142,8 +142,9 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     from resources import load_resource_config
 
     gpu = {"device_type": "cuda", "device_ids": [0]}
+    rollout = {**gpu, "strategy": "cuda_graph", "cuda_graph_args": {"decode_attention": args.decode_attention}}
     config = load_resource_config({
-        "actor": {**gpu, "strategy": "none"}, "rollout": {**gpu, "strategy": "cuda_graph"},
+        "actor": {**gpu, "strategy": "none"}, "rollout": rollout,
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True, "gpu_sharing": args.gpu_sharing,
         "comm_backend": "nccl", "timeout_seconds": 600})
     seconds, tokens, phases, staleness = [], [], [], []
@@ -185,7 +186,6 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                           f"for the imports)" for role, (began, took, waited) in sorted(loads.items())), flush=True)
         if args.logit_chunk:
             client.run(set_logit_chunk, args.logit_chunk)
-        client.run(use_decode_attention, args.decode_attention)
         if args.end_probability:
             print(f"dask-rl: responses end with probability {args.end_probability} a token on "
                   f"{client.run(end_responses_with_probability, args.end_probability)}", flush=True)

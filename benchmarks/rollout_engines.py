@@ -39,7 +39,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import (  # noqa: E402
     add_decode_attention_option, end_with_probability, mean_geometric_length, partial_requests, save_qwen2_05b,
-    use_decode_attention,
 )
 
 from pipeline.engines import continuous  # noqa: E402
@@ -49,6 +48,11 @@ from pipeline.records import GenerationRequest  # noqa: E402
 from pipeline.roles.forward import response_logprobs  # noqa: E402
 
 NO_EOS = -1  # an id no token has: nothing ends early
+ENGINE_OPTIONS: dict = {}   # every engine's options from the command line (--decode-attention)
+
+
+def cuda_graph_engine(model, **kwargs) -> CudaGraphEngine:
+    return CudaGraphEngine(model, **ENGINE_OPTIONS, **kwargs)
 
 
 def timed(fn, repeats: int) -> float:
@@ -78,7 +82,7 @@ def report(name: str, batch: int, seconds: float, new: int) -> None:
 
 
 def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None:
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=NO_EOS, device="cuda", max_batch_size=batch)
+    engine = cuda_graph_engine(model, pad_id=0, eos_id=NO_EOS, device="cuda", max_batch_size=batch)
     req = request(batch, prompt, new)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -89,7 +93,7 @@ def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None
 
 def bench_long_tail(model, batch: int, prompt: int, new: int, probabilities: list[float], repeats: int) -> list:
     """Useful tokens/s of the cuda_graph engine at full length and at each end probability."""
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=batch)
+    engine = cuda_graph_engine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=batch)
     # One hook before anything compiles, its probability a device tensor set for each run:
     # torch.compile would not see a hook added after it compiled (0: EOS never sampled).
     end = torch.zeros((), device="cuda")
@@ -168,10 +172,10 @@ def bench_partial(model, batch: int, prompt: int, new: int, probabilities: list[
     `prefill_modes`, "eager" or "compiled" (the engine's compile_prefill), and `looks`,
     "lagged" (act on the last look, continuous.LAGGED_LOOKS) or "present" (wait at each)."""
     device = next(model.parameters()).device
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device=str(device), max_batch_size=batch)
+    engine = cuda_graph_engine(model, pad_id=0, eos_id=1, device=str(device), max_batch_size=batch)
     prefill_models = {"eager": engine.prefill_model}
     if "compiled" in prefill_modes:
-        prefill_models["compiled"] = CudaGraphEngine(model, pad_id=0, eos_id=1, device=str(device),
+        prefill_models["compiled"] = cuda_graph_engine(model, pad_id=0, eos_id=1, device=str(device),
                                                      compile_prefill=True).prefill_model
     end = torch.zeros((), device=device)   # hooked once, before anything compiles (see bench_long_tail)
     hook = end_with_probability(model, 1, end)
@@ -247,7 +251,7 @@ def bench_generate(model, batch: int, prompt: int, new: int, repeats: int) -> No
 
 def logprob_agreement(model, batch: int = 64, prompt: int = 128, new: int = 256) -> None:
     """The engine's behaviour logprobs against the actor's training forward (bf16, one pass)."""
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda")
+    engine = cuda_graph_engine(model, pad_id=0, eos_id=1, device="cuda")
     rollout = engine.generate(request(batch, prompt, new, seed=1), 0)
     with torch.no_grad():
         actor = torch.cat([response_logprobs(model, rollout.input_ids[r].cuda(), rollout.attention_mask[r].cuda(),
@@ -291,7 +295,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
     add_decode_attention_option(parser)
     args = parser.parse_args(argv)
-    use_decode_attention(args.decode_attention)
+    ENGINE_OPTIONS["decode_attention"] = args.decode_attention
     model = load_causal_lm(save_qwen2_05b(args.model_dir), device="cuda", dtype=torch.bfloat16).eval()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if args.long_tail and args.partial:

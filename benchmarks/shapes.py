@@ -90,13 +90,6 @@ def add_decode_attention_option(parser) -> None:
                              "(pipeline/engines/decode_kernel.py, the default) or SDPA")
 
 
-def use_decode_attention(choice: str, dask_worker=None) -> None:
-    """Set the engine's decode attention in this process (through client.run: on a worker)."""
-    from pipeline.engines import slots
-
-    slots.DECODE_KERNEL = choice == "kernel"
-
-
 def decode_seconds(steps_at: dict[int, int], step_ms: dict[int, float], floor: int = 0) -> float:
     """Seconds of a request's decode steps: steps_at[s] steps at s slots, each taking
     step_ms[s] milliseconds (the cuda_graph engine's last_stats). With `floor`, the steps at

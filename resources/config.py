@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig", "ResourceConfigError",
+__all__ = ["CUDA_GRAPH_ARGS", "ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig", "ResourceConfigError",
            "RoleSpec", "shorten"]
 
 ROLES = ("actor", "critic", "reference", "reward", "rollout")
@@ -29,12 +29,16 @@ STRATEGIES = {
     # hf: transformers' generate, the default on CPUs; vllm: vLLM, where it is installed.
     "rollout": ("cuda_graph", "hf", "vllm"),
 }
+# The cuda_graph engine's options (a rollout role's `cuda_graph_args`) and the values each takes,
+# the default first: its decode attention (the Triton kernel, or SDPA where the kernel fails on
+# a GPU) and whether it fuses each layer's projections into fewer matrix products.
+CUDA_GRAPH_ARGS = {"decode_attention": ("kernel", "sdpa"), "fuse_projections": (True, False)}
 DEVICE_TYPES = ("cuda", "cpu")
 COMM_BACKENDS = ("nccl", "gloo", "auto")
 # How roles placed on one GPU share it: the NVIDIA driver's time slices (one process's kernels at a
 # time) or NVIDIA MPS, whose daemon runs the kernels of several processes at once.
 GPU_SHARING = ("time_slice", "mps")
-ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args")
+ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args", "cuda_graph_args")
 # `train` belongs to the pipeline package, which reads it from the same file.
 TOP_KEYS = ROLES + ("comm_backend", "timeout_seconds", "allow_shared_devices", "gpu_sharing",
                     "allow_busy_devices", "busy_memory_fraction", "adaptive", "train")
@@ -128,10 +132,16 @@ class RoleSpec:
     vllm_args: tuple[tuple[str, object], ...] = ()  # a tuple so the spec stays immutable
     placed_with: str | None = None  # "actor" when defaulted from the actor, not in the file
     job_queue: JobQueueSpec | None = None  # workers are batch jobs (`workers` of them), not local devices
+    cuda_graph_args: tuple[tuple[str, object], ...] = ()  # the cuda_graph engine's options (CUDA_GRAPH_ARGS)
 
     @property
     def vllm_kwargs(self) -> dict[str, object]:
         return dict(self.vllm_args)
+
+    @property
+    def engine_kwargs(self) -> dict[str, object]:
+        """The rollout engine's arguments from the file: its strategy's `<strategy>_args`."""
+        return dict(self.vllm_args or self.cuda_graph_args)
 
 
 @dataclass(frozen=True)
@@ -214,4 +224,6 @@ def role_dict(spec: RoleSpec) -> dict[str, Any]:
         data["workers"] = spec.workers
     if spec.vllm_args:
         data["vllm_args"] = spec.vllm_kwargs
+    if spec.cuda_graph_args:
+        data["cuda_graph_args"] = dict(spec.cuda_graph_args)
     return data

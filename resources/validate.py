@@ -19,7 +19,7 @@ from typing import Any
 
 from resources import devices, vllm_keys
 from resources.config import (
-    _TRAINED_ROLES, COMM_BACKENDS, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
+    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
     DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
     ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
@@ -263,7 +263,8 @@ class _Parser:
             ids, workers = self.cpu_workers(role, raw)
         strategy = self.strategy(role, raw.get("strategy", _MISSING), workers, device_type)
         vllm_args = self.vllm_args(role, raw.get("vllm_args", _MISSING), strategy)
-        return RoleSpec(role, device_type, ids, workers, strategy, vllm_args)
+        cuda_graph_args = self.cuda_graph_args(role, raw.get("cuda_graph_args", _MISSING), strategy)
+        return RoleSpec(role, device_type, ids, workers, strategy, vllm_args, cuda_graph_args=cuda_graph_args)
 
     def device_type(self, role: str, value: Any) -> str:
         if value in DEVICE_TYPES:
@@ -345,6 +346,26 @@ class _Parser:
             raise self.error(f"{path}.tensor_parallel_size", args["tensor_parallel_size"],
                              "each rollout worker gets one GPU",
                              "use 1, and list more device_ids to run more engines")
+        return tuple(args.items())
+
+    def cuda_graph_args(self, role: str, args: Any, strategy: str) -> tuple[tuple[str, object], ...]:
+        path, example = f"{role}.cuda_graph_args", "write e.g. cuda_graph_args: {decode_attention: sdpa}"
+        if args is _MISSING:
+            return ()
+        if strategy != "cuda_graph":
+            raise self.error(path, args, f"cuda_graph_args only apply to strategy cuda_graph, not {strategy!r}",
+                             "remove cuda_graph_args, or set strategy: cuda_graph")
+        if not isinstance(args, Mapping):
+            raise self.error(path, args, "not a mapping of the cuda_graph engine's options", example)
+        for key, value in args.items():
+            if key not in CUDA_GRAPH_ARGS:
+                raise self.error(f"{path}.{key}", _MISSING,
+                                 f"not an option of the cuda_graph engine{_did_you_mean(key, CUDA_GRAPH_ARGS)}",
+                                 f"use {' or '.join(CUDA_GRAPH_ARGS)}")
+            default, other = (_show(v) for v in CUDA_GRAPH_ARGS[key])
+            if type(value) is not type(CUDA_GRAPH_ARGS[key][0]) or value not in CUDA_GRAPH_ARGS[key]:
+                raise self.error(f"{path}.{key}", value, f"not {default} or {other}",
+                                 f"use {key}: {default} (the default) or {other}")
         return tuple(args.items())
 
     def adaptive(self, raw: Any, data: Mapping) -> dict[str, AdaptiveBounds]:

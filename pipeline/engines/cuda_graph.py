@@ -40,7 +40,7 @@ import torch
 
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
 from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, SlotRun, bucket_batch
-from pipeline.engines.fused_projections import fuse_projections
+from pipeline.engines.fused_projections import fuse_projections as fuse_layer_projections
 from pipeline.engines.held_rows import HeldRows
 from pipeline.engines.hf import (
     PartialRows, assemble_rollout, left_pad, repeat_prompts, require_decode, stop_ids_of,
@@ -76,8 +76,11 @@ class CudaGraphEngine:
         compile_prefill: prefill passes through torch.compile too (dynamic shapes, no
             graphs; default off: measured at full length only, 0.060 against 0.097 s for a
             32 k-token pass on an H100).
-        fuse: each layer's query/key/value and gate/up projections as one product each
-            (fused_projections.py; the model is changed in place, its weights' names kept).
+        decode_attention: "kernel", decode_kernel.py's Triton kernel on GPUs where it applies
+            (else SDPA); "sdpa", SDPA always (a way back should the kernel fail on a GPU).
+        fuse_projections: each layer's query/key/value and gate/up projections as one
+            product each (fused_projections.py; the model is changed in place, its weights'
+            names kept).
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
         check_every: decode steps between two looks at the device (default: a GPU's
             continuous.EOS_CHECK_EVERY, every step on a CPU, where looking costs nothing).
@@ -89,11 +92,14 @@ class CudaGraphEngine:
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
                  prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None,
                  check_every: int | None = None, fewest_slots: int | None = None,
-                 compile_prefill: bool = False, fuse: bool = True):
+                 compile_prefill: bool = False, decode_attention: str = "kernel", fuse_projections: bool = True):
         self.model = model.eval()
         use_slot_attention(model)
-        if fuse:
-            fuse_projections(model)
+        if decode_attention not in ("kernel", "sdpa"):
+            raise ValueError(f"decode_attention: {decode_attention!r} is not kernel or sdpa")
+        self.decode_kernel = decode_attention == "kernel"
+        if fuse_projections:
+            fuse_layer_projections(model)
         self.pad_id, self.eos_id, self.device, self.decode = pad_id, eos_id, device, decode
         self.max_batch_size = bucket_batch(max_batch_size)
         self.prompt_bucket = prompt_bucket
@@ -211,7 +217,8 @@ class CudaGraphEngine:
         ring = [cache for (_, ring_length), cache in self._caches.items() if ring_length == length]
         largest = max(ring, key=lambda cache: cache.slots, default=None)
         if largest is not None and largest.slots > slots:
-            self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device, within=largest)
+            self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device, within=largest,
+                                              decode_kernel=self.decode_kernel)
             return self._caches[key]
         for cache in ring:   # smaller ones, each its own allocation or within one: all go
             del self._caches[(cache.slots, length)]
@@ -222,7 +229,8 @@ class CudaGraphEngine:
             self._caches.clear()
             release_cached(self.device)
         logger.info("dask-rl: cuda_graph engine: new KV cache of %d slots x %d tokens", slots, length)
-        self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device)
+        self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device,
+                                      decode_kernel=self.decode_kernel)
         return self._caches[key]
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

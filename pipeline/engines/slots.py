@@ -16,8 +16,12 @@ and a slot whose sequence ended takes the next waiting one. What makes that chea
 The cache is this module's own tensors, reached by the model's attention through the
 `slot_cache` keyword (transformers passes a forward's extra keywords on to its attention
 function): the engine does not depend on how a transformers version lays out its caches.
-Attention for one new token reads the cache as stored (gqa_decode's packed form; with
-DECODE_KERNEL, decode_kernel.py's Triton kernel on a GPU).
+Attention for one new token reads the cache as stored: through decode_kernel.py's Triton
+kernel where it applies (a CUDA GPU with Triton, a head size it tiles), else gqa_decode's
+packed form of SDPA. On an H100 at 256 slots over a ring of 1152 columns the kernel took
+0.56 ms of attention a decode step against SDPA's 1.82, and the step 2.54 ms of GPU time
+against 3.80 (benchmarks/decode_profile.py). A cache made with `decode_kernel=False` keeps
+SDPA (the rollout role's `cuda_graph_args: {decode_attention: sdpa}`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,6 @@ from pipeline.engines.budget import kv_bytes_per_token, kv_layout
 from pipeline.engines.gqa_decode import packed_gqa_attention
 
 NAME = "dask_rl_slots"
-# Decode attention through decode_kernel's Triton kernel where it applies (CUDA, Triton
-# installed, a head size it tiles) instead of SDPA: on an H100 at 256 slots over a ring of
-# 1152 columns, 0.56 ms of attention a decode step instead of SDPA's 1.82, and 2.54 ms of GPU
-# time a step instead of 3.80 (benchmarks/decode_profile.py). False puts SDPA back (the
-# benchmarks' --decode-attention sdpa, and one way of the GPU tests).
-DECODE_KERNEL = True
 
 
 def slot_cache_bytes(config, dtype: torch.dtype, slots: int, length: int) -> int:
@@ -52,8 +50,9 @@ class SlotCache:
     a cache of its own per slot count (those summed to twice the largest)."""
 
     def __init__(self, config, slots: int, length: int, dtype: torch.dtype, device,
-                 within: "SlotCache | None" = None):
+                 within: "SlotCache | None" = None, decode_kernel: bool = True):
         self.slots, self.length = slots, length
+        self.decode_kernel = decode_kernel   # decode attention through the Triton kernel where it applies
         if within is not None:
             if within.length != length or within.slots < slots:
                 raise ValueError(f"a cache of {slots} x {length} cannot live in one of {within.slots} x "
@@ -87,8 +86,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     - decode (slot_rows None): query/key/value (S, H or H_kv, 1, D) of every slot; the new
       key and value go into column `slot_columns` (1,), then the query attends to the whole
-      ring under `attention_mask` (S, 1, 1, L) (with DECODE_KERNEL, on a GPU through
-      decode_kernel's Triton kernel, which skips the blocks of columns outside the slot's window);
+      ring under `attention_mask` (S, 1, 1, L) (on a GPU through decode_kernel's Triton
+      kernel, which skips the blocks of columns outside the slot's window);
     - prefill (slot_rows (k,)): k new prompts, left-padded to W tokens, are stored in slots
       `slot_rows` at ring columns `slot_columns` (W,) and attend among themselves as usual;
     - without a slot cache (a training or scoring forward of the same model): packed
@@ -100,7 +99,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if slot_rows is None:
         keys.index_copy_(2, slot_columns, key)
         values.index_copy_(2, slot_columns, value)
-        if DECODE_KERNEL and _kernel_applies(query, keys, attention_mask, dropout, kwargs):
+        if slot_cache.decode_kernel and _kernel_applies(query, keys, attention_mask, dropout, kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return decode_kernel.slot_decode_attention(query, keys, values, attention_mask, scale), None
         return packed_gqa_attention(module, query, keys, values, attention_mask, scaling=scaling)

@@ -101,6 +101,8 @@ def requested_settings(config: ResourceConfig, request: ResourceRequest) -> dict
     settings["strategy"] = current.strategy if request.strategy is None else request.strategy
     if current.vllm_args:
         settings["vllm_args"] = current.vllm_kwargs
+    if current.cuda_graph_args:
+        settings["cuda_graph_args"] = dict(current.cuda_graph_args)
     return settings
 
 

@@ -203,18 +203,17 @@ def test_acting_on_the_last_look_serves_the_same_sequences(model_and_tokenizer, 
     assert steps[False] <= steps[True] <= steps[False] * 1.3, steps
 
 
-def test_the_decode_kernel_switch_leaves_a_cpu_engine_on_sdpa(model_and_tokenizer, monkeypatch):
-    """slots.DECODE_KERNEL on: a CPU engine finds the Triton kernel unusable (no CUDA) and
-    samples exactly what it samples with the switch off."""
-    from pipeline.engines import decode_kernel, slots
+def test_the_decode_kernel_leaves_a_cpu_engine_on_sdpa(model_and_tokenizer):
+    """decode_attention "kernel" (the default): a CPU engine finds the Triton kernel unusable
+    (no CUDA) and samples exactly what it samples with "sdpa"."""
+    from pipeline.engines import decode_kernel
 
     model, tokenizer = model_and_tokenizer
     request = _request(tokenizer, prompts=4, samples=2, new_tokens=12)
     rollouts = []
-    for on in (False, True):
-        monkeypatch.setattr(slots, "DECODE_KERNEL", on)
+    for attention in ("sdpa", "kernel"):
         engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-                                 device="cpu", max_batch_size=8)
+                                 device="cpu", max_batch_size=8, decode_attention=attention)
         rollouts.append(engine.generate(request, policy_version=0))
     assert not decode_kernel.prepare("cpu")
     assert torch.equal(rollouts[0].input_ids, rollouts[1].input_ids)

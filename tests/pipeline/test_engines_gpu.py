@@ -110,7 +110,7 @@ def test_graph_loop_stops_at_any_stop_id_and_string_and_reports_unfiltered_logpr
 
 
 @pytest.mark.parametrize("decode_attention", ["sdpa", "kernel"])
-def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(model, decode_attention, monkeypatch):
+def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(model, decode_attention):
     """256 sequences through 64 captured slots on geometric lengths (each token ends a
     response with probability 0.03, cut at 256): slots refill from the queue, the tail moves
     into fewer slots, and the logprobs stay as close to the actor's as a static batch's,
@@ -118,13 +118,13 @@ def test_continuous_batching_on_long_tails_keeps_the_logprobs_and_the_graphs(mod
     ring, wrapping past its end, as slots refill)."""
     import torch._dynamo.utils
 
-    from pipeline.engines import decode_kernel, slots
+    from pipeline.engines import decode_kernel
 
-    monkeypatch.setattr(slots, "DECODE_KERNEL", decode_attention == "kernel")
     assert decode_attention == "sdpa" or decode_kernel.prepare("cuda")
 
     # Down to 8 slots (the default stops at 32): the test's 64 slots would otherwise shrink once.
-    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64, fewest_slots=8)
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", max_batch_size=64, fewest_slots=8,
+                             decode_attention=decode_attention)
     assert CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda").fewest_slots == 32
     hook = end_with_probability(model, 1, 0.03)   # each token ends a response with probability 0.03
     try:

@@ -77,7 +77,8 @@ def test_new_weights_reach_the_fused_engine(models):
     newer = Qwen2ForCausalLM(Qwen2Config(**CONFIG)).eval()
     fused_engine = CudaGraphEngine(copy.deepcopy(plain), pad_id=0, eos_id=1, device="cpu", max_batch_size=8)
     fused_engine.load_state_dict(newer.state_dict())
-    plain_engine = CudaGraphEngine(newer, pad_id=0, eos_id=1, device="cpu", max_batch_size=8, fuse=False)
+    plain_engine = CudaGraphEngine(newer, pad_id=0, eos_id=1, device="cpu", max_batch_size=8,
+                                   fuse_projections=False)
     assert not any(isinstance(m, FusedMember) for m in newer.modules())
     request = GenerationRequest([[5, 6, 7, 8], [9, 10]], [0, 1], 3, 12, 1.0, 4)
     first, second = fused_engine.generate(request, 1), plain_engine.generate(request, 1)

@@ -127,13 +127,15 @@ def test_a_built_transformers_model_object_is_accepted_as_the_policy(shared_clus
 def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engine(shared_cluster, shared_config,
                                                                                   tiny_model, prompts):
     """kl_coef 0: no reference model is loaded and no reference task runs; the rollout role's
-    cuda_graph strategy (its loop runs eagerly on CPU workers) drives a real GRPO run."""
+    cuda_graph strategy (its loop runs eagerly on CPU workers) drives a real GRPO run, with
+    the options its `cuda_graph_args` give."""
     from dataclasses import replace
 
     from resources.validate import with_role
 
     shared_cluster.client.register_plugin(RestrictionLog())
-    config = with_role(shared_config, replace(shared_config.role("rollout"), strategy="cuda_graph"))
+    config = with_role(shared_config, replace(shared_config.role("rollout"), strategy="cuda_graph",
+                                              cuda_graph_args=(("decode_attention", "sdpa"),)))
     trainer = HybridTrainer(tiny_model, digit_fraction, config, algorithm="grpo", prompts=prompts,
                             cluster=shared_cluster, steps=2, samples_per_prompt=2, kl_coef=0.0, **SMALL)
     assert "reference" not in trainer.roles
@@ -144,6 +146,9 @@ def test_grpo_without_kl_runs_no_reference_and_samples_with_the_cuda_graph_engin
     assert "reference" not in roles_run and {"rollout", "reward", "actor"} <= roles_run
     engines = shared_cluster.client.run(_engine_name, workers=[w["address"] for w in shared_cluster.workers_of("rollout")])
     assert set(engines.values()) == {"CudaGraphEngine"}
+    # SDPA as the file says; the projections fused, the default it leaves as it is.
+    options = shared_cluster.client.run(_engine_options, workers=list(engines))
+    assert set(options.values()) == {(False, True)}
     # Each worker says how long building its role took (the GPU benchmark prints it).
     built = {role: times for roles in shared_cluster.client.run(load_times).values() for role, times in roles.items()}
     assert {"rollout", "reward", "actor"} <= set(built)
@@ -201,3 +206,10 @@ def _background_imports(dask_worker=None):
 
 def _engine_name(dask_worker=None):
     return type(dask_worker.plugins["dask-rl-rollout"].state.engine).__name__
+
+
+def _engine_options(dask_worker=None):
+    from pipeline.engines.fused_projections import FusedMember
+
+    engine = dask_worker.plugins["dask-rl-rollout"].state.engine
+    return engine.decode_kernel, any(isinstance(m, FusedMember) for m in engine.model.modules())

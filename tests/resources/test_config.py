@@ -130,6 +130,15 @@ def test_mapping_source_and_pickle():
         config.role("rolout")
 
 
+def test_cuda_graph_args_reach_the_engine_and_survive_changes_to_other_roles():
+    config = load_resource_config(cuda_graph_rollout({"decode_attention": "sdpa", "fuse_projections": False}),
+                                  gpus=GPUS)
+    assert config.role("rollout").engine_kwargs == {"decode_attention": "sdpa", "fuse_projections": False}
+    assert load_resource_config(DESIGN, gpus=GPUS).role("rollout").engine_kwargs == DESIGN["rollout"]["vllm_args"]
+    wider = with_role(config, RoleSpec("reward", "cuda", (2, 4), 2, "data_parallel"), gpus=GPUS)
+    assert wider.role("rollout") == config.role("rollout")
+
+
 def test_with_role_revalidates():
     config = load_resource_config(DESIGN, gpus=GPUS)
     wider = with_role(config, RoleSpec("reward", "cuda", (2, 4), 2, "data_parallel"), gpus=GPUS)
@@ -219,6 +228,11 @@ def variant(*changes):
     return data
 
 
+def cuda_graph_rollout(args):
+    """The DESIGN file with its rollout on the cuda_graph engine, given `args`."""
+    return variant(("rollout.strategy", "cuda_graph"), ("rollout.vllm_args", DELETE), ("rollout.cuda_graph_args", args))
+
+
 CPU_ROLE = {"device_type": "cpu", "workers": 2, "strategy": "ddp"}
 BAD_FILES = {
     "unknown top key": (variant(("rollot", {"device_type": "cpu"})),
@@ -271,6 +285,23 @@ BAD_FILES = {
                                 ["rollout.vllm_args: 'fast': not a mapping", "Fix: write e.g."]),
     "vllm tensor parallel": (variant(("rollout.vllm_args.tensor_parallel_size", 2)),
                              ["rollout.vllm_args.tensor_parallel_size: 2", "Fix: use 1"]),
+    "cuda graph args on vllm": (variant(("rollout.cuda_graph_args", {"decode_attention": "sdpa"})),
+                                ["rollout.cuda_graph_args: {decode_attention: 'sdpa'}: cuda_graph_args only apply "
+                                 "to strategy cuda_graph, not 'vllm'", "Fix: remove cuda_graph_args, or set "
+                                 "strategy: cuda_graph."]),
+    "cuda graph args misspelt": (cuda_graph_rollout({"decode_atention": "sdpa"}),
+                                 ["rollout.cuda_graph_args.decode_atention: not an option of the cuda_graph engine "
+                                  "(did you mean 'decode_attention'?)",
+                                  "Fix: use decode_attention or fuse_projections."]),
+    "cuda graph attention": (cuda_graph_rollout({"decode_attention": "flash"}),
+                             ["rollout.cuda_graph_args.decode_attention: 'flash': not 'kernel' or 'sdpa'",
+                              "Fix: use decode_attention: 'kernel' (the default) or 'sdpa'."]),
+    "cuda graph fusion": (cuda_graph_rollout({"fuse_projections": "no"}),
+                          ["rollout.cuda_graph_args.fuse_projections: 'no': not true or false",
+                           "Fix: use fuse_projections: true (the default) or false."]),
+    "cuda graph args not a mapping": (cuda_graph_rollout("sdpa"),
+                                      ["rollout.cuda_graph_args: 'sdpa': not a mapping",
+                                       "Fix: write e.g. cuda_graph_args: {decode_attention: sdpa}."]),
     "timeout text": (variant(("timeout_seconds", "abc")),
                      ["timeout_seconds: 'abc': expected a number of seconds > 0",
                       "Fix: use e.g. timeout_seconds: 180."]),
