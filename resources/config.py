@@ -217,7 +217,8 @@ class ResourceConfig:
 
 def role_dict(spec: RoleSpec) -> dict[str, Any]:
     if spec.job_queue is not None:
-        return {**spec.job_queue.to_dict(), "jobs": spec.workers, "strategy": spec.strategy}
+        data = {**spec.job_queue.to_dict(), "jobs": spec.workers, "strategy": spec.strategy}
+        return {**data, "cuda_graph_args": dict(spec.cuda_graph_args)} if spec.cuda_graph_args else data
     data: dict[str, Any] = {"device_type": spec.device_type,
                             "device_ids": list(spec.device_ids), "strategy": spec.strategy}
     if spec.device_type == "cpu":

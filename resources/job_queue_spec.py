@@ -22,7 +22,7 @@ from resources.config import JobQueueSpec, RoleSpec
 __all__ = ["JOB_QUEUE_KEYS", "JOB_QUEUE_ROLES", "parse_job_queue_role"]
 
 JOB_QUEUE_KEYS = ("job_queue", "jobs", "gpus_per_job", "cores", "memory", "queue", "account", "walltime",
-                  "job_extra", "prologue", "log_directory", "strategy")
+                  "job_extra", "prologue", "log_directory", "strategy", "cuda_graph_args")
 # Roles that grow and shrink by worker count alone. The actor and critic form a process group
 # that is rebuilt at step boundaries from local workers; they stay on devices or `dask-rl worker`.
 JOB_QUEUE_ROLES = ("rollout", "reward", "reference")
@@ -70,7 +70,9 @@ def parse_job_queue_role(parser: Any, role: str, raw: Mapping,
             raise fail("job_extra", line, "not an sbatch option", f"write the option alone, e.g. "
                        f"{line.replace('#SBATCH', '').strip() or '--constraint=a100'!r}")
     device_type = "cuda" if gpus else "cpu"
-    return RoleSpec(role, device_type, (), jobs, strategy(jobs, device_type), job_queue=spec)
+    chosen = strategy(jobs, device_type)
+    engine_args = parser.cuda_graph_args(role, raw["cuda_graph_args"], chosen) if "cuda_graph_args" in raw else ()
+    return RoleSpec(role, device_type, (), jobs, chosen, job_queue=spec, cuda_graph_args=engine_args)
 
 
 def _count(raw: Mapping, key: str, default: int, low: int, fail, fix: str) -> int:

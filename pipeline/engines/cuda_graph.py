@@ -12,7 +12,7 @@ of a decode step launching kernels from Python. Here:
 - the KV cache is one ring per slot batch (slots.py), read as stored: grouped-query heads
   are packed onto the cache's KV heads instead of copying it once per query head
   (gqa_decode.py); on a GPU a Triton kernel reads only the blocks of the ring a slot's window
-  covers (decode_kernel.py, slots.DECODE_KERNEL);
+  covers (decode_kernel.py; `decode_attention`);
 - each decode step (the model's forward for one token, temperature / min-p / top-k /
   top-p sampling and the sampled token's unfiltered logprob) is one function compiled by
   torch.compile in "reduce-overhead" mode, which captures it as a CUDA graph and replays it;

@@ -99,10 +99,11 @@ def requested_settings(config: ResourceConfig, request: ResourceRequest) -> dict
         raise ValueError(f"update_resource: that would remove the last {component} worker. Fix: keep at least one "
                          f"device or worker for {component}; move it elsewhere by giving the new one in the same call.")
     settings["strategy"] = current.strategy if request.strategy is None else request.strategy
-    if current.vllm_args:
-        settings["vllm_args"] = current.vllm_kwargs
-    if current.cuda_graph_args:
-        settings["cuda_graph_args"] = dict(current.cuda_graph_args)
+    if settings["strategy"] == current.strategy:   # an engine's options go with its engine
+        if current.vllm_args:
+            settings["vllm_args"] = current.vllm_kwargs
+        if current.cuda_graph_args:
+            settings["cuda_graph_args"] = dict(current.cuda_graph_args)
     return settings
 
 

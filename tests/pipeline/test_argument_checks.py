@@ -54,6 +54,15 @@ def test_a_good_request_is_the_file_it_describes_and_keeps_the_files_name():
     assert (critic.workers, critic.placed_with) == (1, None)
 
 
+def test_a_rollout_keeps_its_engines_options_until_it_changes_engine():
+    tuned = load_resource_config({**CONFIG.to_dict(), "rollout": {
+        "device_type": "cpu", "strategy": "cuda_graph", "cuda_graph_args": {"decode_attention": "sdpa"}}})
+    grown = requested_config(tuned, ResourceRequest("rollout", workers=2)).role("rollout")
+    assert (grown.workers, grown.engine_kwargs) == (2, {"decode_attention": "sdpa"})
+    other = requested_config(tuned, ResourceRequest("rollout", workers=2, strategy="hf")).role("rollout")
+    assert (other.strategy, other.engine_kwargs) == ("hf", {})
+
+
 @pytest.mark.parametrize("bounds, message", [
     ({"rollout": (3, 1)}, "adapt(bounds=...): adaptive.rollout: {min: 3, max: 1}: need integers with 1 <= min <= max"),
     ({"rollout": ("1", 3)}, "adaptive.rollout: {min: '1', max: 3}: need integers"),

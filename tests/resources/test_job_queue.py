@@ -32,6 +32,10 @@ def test_the_issue_section_parses_and_round_trips():
     # No NVML was needed (the GPUs are the jobs' nodes'), and a copy re-validates to the same config.
     assert with_role(config, spec) == config
     assert config.to_dict()["rollout"]["jobs"] == 2
+    # The engine's options ride along with the jobs.
+    tuned = load_resource_config({**BASE, "rollout": {**GPU_JOBS, "cuda_graph_args": {"decode_attention": "sdpa"}}})
+    assert tuned.role("rollout").engine_kwargs == {"decode_attention": "sdpa"}
+    assert with_role(tuned, tuned.role("rollout")) == tuned
 
 
 @pytest.mark.parametrize("section, path, fragment", [
@@ -43,6 +47,7 @@ def test_the_issue_section_parses_and_round_trips():
     ({"job_queue": "slurm", "memory": "lots"}, "rollout.memory: 'lots'", '"16GB"'),
     ({"job_queue": "slurm", "job_extra": ["#SBATCH --qos=low"]}, "rollout.job_extra", "'--qos=low'"),
     ({"job_queue": "slurm", "jobz": 2}, "rollout.jobz", "did you mean 'jobs'"),
+    ({"job_queue": "slurm", "strategy": "hf", "cuda_graph_args": {}}, "rollout.cuda_graph_args", "strategy: cuda_graph"),
 ])
 def test_a_bad_section_names_the_key_and_the_fix(section, path, fragment):
     with pytest.raises(ResourceConfigError) as error:
