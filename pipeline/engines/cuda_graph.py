@@ -52,8 +52,10 @@ from pipeline.records import GenerationRequest, Rollout
 from resources.allocator import (
     LOW_FREE_MEMORY, OUT_OF_MEMORY, MicroBatchAllocator, first_line, free_bytes, release_cached, report,
 )
+from resources.config import CUDA_GRAPH_ARGS
 
 logger = logging.getLogger("dask_rl")
+
 
 class CudaGraphEngine:
     """Samples with a CUDA-graph decode loop over continuously refilled slots; the same
@@ -95,8 +97,9 @@ class CudaGraphEngine:
                  compile_prefill: bool = False, decode_attention: str = "kernel", fuse_projections: bool = True):
         self.model = model.eval()
         use_slot_attention(model)
-        if decode_attention not in ("kernel", "sdpa"):
-            raise ValueError(f"decode_attention: {decode_attention!r} is not kernel or sdpa")
+        if decode_attention not in CUDA_GRAPH_ARGS["decode_attention"]:
+            raise ValueError(f"decode_attention: {decode_attention!r} is not one of "
+                             f"{', '.join(CUDA_GRAPH_ARGS['decode_attention'])}")
         self.decode_kernel = decode_attention == "kernel"
         if fuse_projections:
             fuse_layer_projections(model)
@@ -218,7 +221,7 @@ class CudaGraphEngine:
         largest = max(ring, key=lambda cache: cache.slots, default=None)
         if largest is not None and largest.slots > slots:
             self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device, within=largest,
-                                              decode_kernel=self.decode_kernel)
+                                          decode_kernel=self.decode_kernel)
             return self._caches[key]
         for cache in ring:   # smaller ones, each its own allocation or within one: all go
             del self._caches[(cache.slots, length)]
