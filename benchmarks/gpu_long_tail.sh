@@ -7,7 +7,7 @@
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
 # `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
-# the slot counts decode_profile.py profiles; DECODE_ATTENTION=sdpa|kernel is the cuda_graph
+# the slot counts decode_profile.py profiles (PROFILE_ARGS, e.g. --unfused, more of its flags); DECODE_ATTENTION=sdpa|kernel is the cuda_graph
 # engine's decode attention in every part (`attention` times the two alone); with MPS=1 every part runs under an NVIDIA MPS
 # daemon of its own, started here and stopped after, and dask-rl's GRPO runs say gpu_sharing: mps;
 # SKIP_TRL=1, DASK_STEPS and GRPO_ARGS (more grpo_vs_trl.py flags) apply to every GRPO part).
@@ -59,7 +59,7 @@ for p in ${PARTS:-tests engine update}; do
                      --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
                      --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
-        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} $DECODE ;;
+        profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} $DECODE ${PROFILE_ARGS:-} ;;
         attention) part attention ${ATTENTION_LIMIT:-150} python3 benchmarks/decode_attention.py ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         grpo256) part grpo256 ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
