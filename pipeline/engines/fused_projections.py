@@ -13,7 +13,9 @@ one buffer, so new weights loaded into them (the engine's load_state_dict copies
 parameters) are the fused buffer's too. The group's first projection computes the fused
 product and hands the others their columns when they are called next on the same input; a
 call on any other input computes its own product, so a model that calls them in another
-order gets the same results.
+order gets the same results. Fuse a model where it will run: moving it to another device or
+dtype afterwards (`.to()`) would move the parameters but not the fused buffers (the engine
+gets its model on its device and never moves it).
 """
 
 from __future__ import annotations
