@@ -33,6 +33,7 @@ logger = logging.getLogger("dask_rl")
 DEGRADATION_TOPIC = "dask-rl-degradation"
 OUT_OF_MEMORY = "out of memory"    # the `cause` of a degradation forced by an allocation failure
 LOW_FREE_MEMORY = "free memory"    # the `cause` of work planned smaller from a memory reading
+KERNEL_FAILED = "kernel failed"    # the `cause` of a custom GPU kernel replaced by PyTorch's own operators
 
 T = TypeVar("T")
 
@@ -173,7 +174,7 @@ class Degradation:
     before: int
     after: int
     unit: str        # "rows per chunk", "rows per micro-batch", "sequences per batch"
-    cause: str       # OUT_OF_MEMORY or LOW_FREE_MEMORY
+    cause: str       # OUT_OF_MEMORY, LOW_FREE_MEMORY or KERNEL_FAILED
     detail: str      # the error's first line, or the memory reading
 
     def line(self) -> str:

@@ -30,8 +30,8 @@ STRATEGIES = {
     "rollout": ("cuda_graph", "hf", "vllm"),
 }
 # The cuda_graph engine's options (a rollout role's `cuda_graph_args`) and the values each takes,
-# the default first: its decode attention (the Triton kernel, or SDPA where the kernel fails on
-# a GPU) and whether it fuses each layer's projections into fewer matrix products.
+# the default first: its decode attention (the Triton kernel, or SDPA) and whether it fuses each
+# layer's projections into fewer matrix products.
 CUDA_GRAPH_ARGS = {"decode_attention": ("kernel", "sdpa"), "fuse_projections": (True, False)}
 DEVICE_TYPES = ("cuda", "cpu")
 COMM_BACKENDS = ("nccl", "gloo", "auto")

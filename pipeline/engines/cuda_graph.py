@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.engines import decode_kernel
 from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
 from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, SlotRun, bucket_batch
 from pipeline.engines.fused_projections import fuse_projections as fuse_layer_projections
@@ -50,7 +51,8 @@ from pipeline.engines.sampling import sample_tokens
 from pipeline.engines.slots import SlotCache, slot_cache_bytes, use_slot_attention
 from pipeline.records import GenerationRequest, Rollout
 from resources.allocator import (
-    LOW_FREE_MEMORY, OUT_OF_MEMORY, MicroBatchAllocator, first_line, free_bytes, release_cached, report,
+    KERNEL_FAILED, LOW_FREE_MEMORY, OUT_OF_MEMORY, MicroBatchAllocator, first_line, free_bytes, release_cached,
+    report,
 )
 from resources.config import CUDA_GRAPH_ARGS
 
@@ -100,7 +102,7 @@ class CudaGraphEngine:
         if decode_attention not in CUDA_GRAPH_ARGS["decode_attention"]:
             raise ValueError(f"decode_attention: {decode_attention!r} is not one of "
                              f"{', '.join(CUDA_GRAPH_ARGS['decode_attention'])}")
-        self.decode_kernel = decode_attention == "kernel"
+        self.attention_kernel = decode_attention == "kernel"
         if fuse_projections:
             fuse_layer_projections(model)
         self.pad_id, self.eos_id, self.device, self.decode = pad_id, eos_id, device, decode
@@ -139,14 +141,21 @@ class CudaGraphEngine:
         self.batch = self._plan(len(prompts), width, width + request.max_new_tokens)
         while True:
             torch.manual_seed(request.seed)
-            failure = None
+            failure = kernel_failure = None
             try:
                 responses, logprobs, partial = self._generate_in_slots(prompts, groups, width, request,
                                                                        policy_version)
                 break
             except torch.OutOfMemoryError as error:
                 failure = first_line(error)
+            except Exception as error:   # the Triton decode kernel failing to compile or run on this GPU
+                if not (self.attention_kernel and decode_kernel.failed_in(error)):
+                    raise
+                kernel_failure = first_line(error)
             # Outside the except block: its traceback held the failed attempt's tensors.
+            if kernel_failure is not None:
+                self._decode_with_sdpa(kernel_failure)
+                continue
             failed_at = self.batch
             self._shrink(MicroBatchAllocator.backoff(failed_at))
             release_cached(self.device)
@@ -176,6 +185,15 @@ class CudaGraphEngine:
                         (free + held) / 2**30)
         self._planned = batch
         return batch
+
+    def _decode_with_sdpa(self, failure: str) -> None:
+        """The Triton decode kernel failed here: SDPA from now on (the request runs again;
+        Dynamo sees the caches' switch change and traces their decode steps anew)."""
+        self.attention_kernel = False
+        for cache in self._caches.values():
+            cache.attention_kernel = False
+        report("decode attention", 1, 0, "Triton kernels a layer", KERNEL_FAILED,
+               f"SDPA from now on (rollout.cuda_graph_args: {{decode_attention: sdpa}} starts there): {failure}")
 
     def _shrink(self, batch: int) -> None:
         """After an out-of-memory error: drop every KV cache (they were sized for more
@@ -221,7 +239,7 @@ class CudaGraphEngine:
         largest = max(ring, key=lambda cache: cache.slots, default=None)
         if largest is not None and largest.slots > slots:
             self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device, within=largest,
-                                          decode_kernel=self.decode_kernel)
+                                          attention_kernel=self.attention_kernel)
             return self._caches[key]
         for cache in ring:   # smaller ones, each its own allocation or within one: all go
             del self._caches[(cache.slots, length)]
@@ -233,7 +251,7 @@ class CudaGraphEngine:
             release_cached(self.device)
         logger.info("dask-rl: cuda_graph engine: new KV cache of %d slots x %d tokens", slots, length)
         self._caches[key] = SlotCache(self.model.config, slots, length, dtype, self.device,
-                                      decode_kernel=self.decode_kernel)
+                                      attention_kernel=self.attention_kernel)
         return self._caches[key]
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

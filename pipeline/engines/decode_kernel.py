@@ -53,6 +53,23 @@ def slot_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
     return torch.ops.dask_rl.slot_decode_attention(query, keys, values, mask, scale)
 
 
+def failed_in(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, came from this kernel: Triton's
+    compiler or launcher, a frame of this file, or the custom op named in Inductor's message."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__module__.split(".")[0] == "triton" or "slot_decode_attention" in str(error):
+            return True
+        frame = error.__traceback__
+        while frame is not None:
+            if frame.tb_frame.f_code.co_filename == __file__:
+                return True
+            frame = frame.tb_next
+        error = error.__cause__ or error.__context__
+    return False
+
+
 _ready = False
 
 

@@ -20,7 +20,7 @@ Attention for one new token reads the cache as stored: through decode_kernel.py'
 kernel where it applies (a CUDA GPU with Triton, a head size it tiles), else gqa_decode's
 packed form of SDPA. On an H100 at 256 slots over a ring of 1152 columns the kernel took
 0.56 ms of attention a decode step against SDPA's 1.82, and the step 2.54 ms of GPU time
-against 3.80 (benchmarks/decode_profile.py). A cache made with `decode_kernel=False` keeps
+against 3.80 (benchmarks/decode_profile.py). A cache made with `attention_kernel=False` keeps
 SDPA (the rollout role's `cuda_graph_args: {decode_attention: sdpa}`).
 """
 
@@ -50,9 +50,9 @@ class SlotCache:
     a cache of its own per slot count (those summed to twice the largest)."""
 
     def __init__(self, config, slots: int, length: int, dtype: torch.dtype, device,
-                 within: "SlotCache | None" = None, decode_kernel: bool = True):
+                 within: "SlotCache | None" = None, attention_kernel: bool = True):
         self.slots, self.length = slots, length
-        self.decode_kernel = decode_kernel   # decode attention through the Triton kernel where it applies
+        self.attention_kernel = attention_kernel   # decode attention through the Triton kernel where it applies
         if within is not None:
             if within.length != length or within.slots < slots:
                 raise ValueError(f"a cache of {slots} x {length} cannot live in one of {within.slots} x "
@@ -99,7 +99,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if slot_rows is None:
         keys.index_copy_(2, slot_columns, key)
         values.index_copy_(2, slot_columns, value)
-        if slot_cache.decode_kernel and _kernel_applies(query, keys, attention_mask, dropout, kwargs):
+        if slot_cache.attention_kernel and _kernel_applies(query, keys, attention_mask, dropout, kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return decode_kernel.slot_decode_attention(query, keys, values, attention_mask, scale), None
         return packed_gqa_attention(module, query, keys, values, attention_mask, scaling=scaling)

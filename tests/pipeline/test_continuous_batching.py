@@ -220,6 +220,31 @@ def test_the_decode_kernel_leaves_a_cpu_engine_on_sdpa(model_and_tokenizer):
     assert torch.equal(rollouts[0].behavior_logprobs, rollouts[1].behavior_logprobs)
 
 
+def test_a_decode_kernel_that_fails_gives_way_to_sdpa(model_and_tokenizer, monkeypatch):
+    """Where the Triton kernel fails (here it is taken to apply on a CPU, whose install never
+    defined its op, so the call fails inside decode_kernel.py), the engine reports it, decodes
+    with SDPA from then on and serves the request: the rollout of an engine set to SDPA."""
+    from pipeline.engines import decode_kernel
+    from resources.allocator import KERNEL_FAILED, reported
+
+    model, tokenizer = model_and_tokenizer
+    request = _request(tokenizer, prompts=4, samples=2, new_tokens=12)
+    options = dict(pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu", max_batch_size=8)
+    expected = CudaGraphEngine(model, decode_attention="sdpa", **options).generate(request, policy_version=0)
+    monkeypatch.setattr(decode_kernel, "usable", lambda query, key_cache: True)
+    engine = CudaGraphEngine(model, **options)   # decode_attention "kernel", the default
+    before = len(reported())
+    rollout = engine.generate(request, policy_version=0)
+    (failure,) = reported()[before:]
+    assert failure.cause == KERNEL_FAILED and (failure.before, failure.after) == (1, 0)
+    assert "decode_attention: sdpa" in failure.detail and "slot_decode_attention" in failure.detail
+    assert not engine.attention_kernel
+    assert torch.equal(rollout.input_ids, expected.input_ids)
+    assert torch.equal(rollout.behavior_logprobs, expected.behavior_logprobs)
+    engine.generate(request, policy_version=0)   # on SDPA from the start now: nothing new to report
+    assert len(reported()) == before + 1
+
+
 def test_a_sliding_window_shorter_than_a_sequence_is_refused(tmp_path):
     """The slots attend over whole sequences: a model that attends to fewer tokens is told
     to use another engine, not served something else."""

@@ -212,4 +212,4 @@ def _engine_options(dask_worker=None):
     from pipeline.engines.fused_projections import FusedMember
 
     engine = dask_worker.plugins["dask-rl-rollout"].state.engine
-    return engine.decode_kernel, any(isinstance(m, FusedMember) for m in engine.model.modules())
+    return engine.attention_kernel, any(isinstance(m, FusedMember) for m in engine.model.modules())
