@@ -61,6 +61,10 @@ def test_a_rollout_keeps_its_engines_options_until_it_changes_engine():
     assert (grown.workers, grown.engine_kwargs) == (2, {"decode_attention": "sdpa"})
     other = requested_config(tuned, ResourceRequest("rollout", workers=2, strategy="hf")).role("rollout")
     assert (other.strategy, other.engine_kwargs) == ("hf", {})
+    # vLLM's arguments too: once they made the change fail ("vllm_args only apply to strategy vllm")
+    on_vllm = load_resource_config({**CONFIG.to_dict(), "rollout": {
+        "device_type": "cpu", "strategy": "vllm", "vllm_args": {"max_model_len": 128}}})
+    assert requested_config(on_vllm, ResourceRequest("rollout", workers=1, strategy="hf")).role("rollout").vllm_args == ()
 
 
 @pytest.mark.parametrize("bounds, message", [
