@@ -217,14 +217,16 @@ class ResourceConfig:
 
 def role_dict(spec: RoleSpec) -> dict[str, Any]:
     if spec.job_queue is not None:
-        data = {**spec.job_queue.to_dict(), "jobs": spec.workers, "strategy": spec.strategy}
-        return {**data, "cuda_graph_args": dict(spec.cuda_graph_args)} if spec.cuda_graph_args else data
+        return {**spec.job_queue.to_dict(), "jobs": spec.workers, "strategy": spec.strategy,
+                **engine_args_dict(spec)}
     data: dict[str, Any] = {"device_type": spec.device_type,
                             "device_ids": list(spec.device_ids), "strategy": spec.strategy}
     if spec.device_type == "cpu":
         data["workers"] = spec.workers
-    if spec.vllm_args:
-        data["vllm_args"] = spec.vllm_kwargs
-    if spec.cuda_graph_args:
-        data["cuda_graph_args"] = dict(spec.cuda_graph_args)
-    return data
+    return {**data, **engine_args_dict(spec)}
+
+
+def engine_args_dict(spec: RoleSpec) -> dict[str, dict[str, object]]:
+    """The role's engine options as the file writes them (`vllm_args`, `cuda_graph_args`), those it has."""
+    sections = {"vllm_args": spec.vllm_args, "cuda_graph_args": spec.cuda_graph_args}
+    return {key: dict(args) for key, args in sections.items() if args}

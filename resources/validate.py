@@ -20,8 +20,8 @@ from typing import Any
 from resources import devices, vllm_keys
 from resources.config import (
     _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES, ROLE_KEYS, ROLES,
-    STRATEGIES, DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
-    ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
+    STRATEGIES, DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError,
+    RoleSpec, ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
 from resources.devices import GpuInfo
 from resources.job_queue_spec import parse_job_queue_role

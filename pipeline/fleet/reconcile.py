@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from pipeline.roles import actor, critic
-from resources.config import ResourceConfig, RoleSpec
+from resources.config import ResourceConfig, RoleSpec, engine_args_dict
 from resources.validate import with_changes, with_role
 
 # The roles whose state lives in a process group: a resize exports it first (these tasks).
@@ -100,10 +100,7 @@ def requested_settings(config: ResourceConfig, request: ResourceRequest) -> dict
                          f"device or worker for {component}; move it elsewhere by giving the new one in the same call.")
     settings["strategy"] = current.strategy if request.strategy is None else request.strategy
     if settings["strategy"] == current.strategy:   # an engine's options go with its engine
-        if current.vllm_args:
-            settings["vllm_args"] = current.vllm_kwargs
-        if current.cuda_graph_args:
-            settings["cuda_graph_args"] = dict(current.cuda_graph_args)
+        settings.update(engine_args_dict(current))
     return settings
 
 
