@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import (  # noqa: E402
-    add_decode_attention_option, end_with_probability, save_qwen2_05b, word_prompts,
+    add_engine_options, engine_options, end_with_probability, save_qwen2_05b, word_prompts,
 )
 
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
@@ -36,7 +36,7 @@ def profile_slots(model, tokenizer, slots: int, args) -> None:
     cuda = args.device == "cuda"
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device=args.device,
                              max_batch_size=slots, fewest_slots=slots,
-                             decode_attention=args.decode_attention, fuse_projections=not args.unfused)
+                             **engine_options(args))
     prompts = [tokenizer(text)["input_ids"] for text in word_prompts(slots, args.prompt)]
     request = GenerationRequest(prompts, list(range(slots)), 1, args.new_tokens, 1.0, seed=0)
     engine.generate(request, 0)   # compiles this slot count's graph
@@ -70,9 +70,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
-    parser.add_argument("--unfused", action="store_true",
-                        help="each projection its own product (the engine fuses query/key/value and gate/up)")
-    add_decode_attention_option(parser)
+    add_engine_options(parser)
     args = parser.parse_args(argv)
     name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"
     directory = save_qwen2_05b(Path(tempfile.gettempdir()) / name, layers=args.layers)

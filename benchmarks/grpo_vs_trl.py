@@ -43,7 +43,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import (  # noqa: E402
-    add_decode_attention_option, decode_seconds, end_with_probability, save_qwen2_05b,
+    add_engine_options, engine_options, decode_seconds, end_with_probability, save_qwen2_05b,
     word_prompts,
 )
 
@@ -142,7 +142,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     from resources import load_resource_config
 
     gpu = {"device_type": "cuda", "device_ids": [0]}
-    rollout = {**gpu, "strategy": "cuda_graph", "cuda_graph_args": {"decode_attention": args.decode_attention}}
+    rollout = {**gpu, "strategy": "cuda_graph", "cuda_graph_args": engine_options(args)}
     config = load_resource_config({
         "actor": {**gpu, "strategy": "none"}, "rollout": rollout,
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True, "gpu_sharing": args.gpu_sharing,
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
                         help="dask-rl with train.partial_keep_kv: a row still in its slot decodes on there")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
-    add_decode_attention_option(parser)
+    add_engine_options(parser)
     parser.add_argument("--logit-chunk", type=int, default=0,
                         help="response tokens the actor projects onto the vocabulary at once (0: the default)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))

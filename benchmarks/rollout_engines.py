@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import (  # noqa: E402
-    add_decode_attention_option, end_with_probability, mean_geometric_length, partial_requests, save_qwen2_05b,
+    add_engine_options, engine_options, end_with_probability, mean_geometric_length, partial_requests, save_qwen2_05b,
 )
 
 from pipeline.engines import continuous  # noqa: E402
@@ -48,7 +48,7 @@ from pipeline.records import GenerationRequest  # noqa: E402
 from pipeline.roles.forward import response_logprobs  # noqa: E402
 
 NO_EOS = -1  # an id no token has: nothing ends early
-ENGINE_OPTIONS: dict = {}   # every engine's options from the command line (--decode-attention)
+ENGINE_OPTIONS: dict = {}   # every engine's options from the command line (--decode-attention, --unfused)
 
 
 def cuda_graph_engine(model, **kwargs) -> CudaGraphEngine:
@@ -293,9 +293,9 @@ def main(argv=None) -> int:
                              "each; each is timed")
     parser.add_argument("--json", help="write the long-tail rows to this file")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dask-rl-qwen2-0.5b"))
-    add_decode_attention_option(parser)
+    add_engine_options(parser)
     args = parser.parse_args(argv)
-    ENGINE_OPTIONS["decode_attention"] = args.decode_attention
+    ENGINE_OPTIONS.update(engine_options(args))
     model = load_causal_lm(save_qwen2_05b(args.model_dir), device="cuda", dtype=torch.bfloat16).eval()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if args.long_tail and args.partial:

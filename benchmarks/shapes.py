@@ -83,11 +83,18 @@ def end_with_probability(model, eos_id: int, probability):
     return model.get_output_embeddings().register_forward_hook(hook)
 
 
-def add_decode_attention_option(parser) -> None:
-    """--decode-attention: the cuda_graph engine's decode attention, for A/B runs."""
+def add_engine_options(parser) -> None:
+    """--decode-attention and --unfused: the cuda_graph engine's options, for A/B runs."""
     parser.add_argument("--decode-attention", choices=["sdpa", "kernel"], default="kernel",
                         help="the cuda_graph engine's decode attention: the Triton kernel "
                              "(pipeline/engines/decode_kernel.py, the default) or SDPA")
+    parser.add_argument("--unfused", action="store_true",
+                        help="the cuda_graph engine's projections unfused (fuse_projections: false)")
+
+
+def engine_options(args) -> dict:
+    """The cuda_graph engine's keyword arguments (rollout.cuda_graph_args) from add_engine_options' flags."""
+    return {"decode_attention": args.decode_attention, "fuse_projections": not args.unfused}
 
 
 def decode_seconds(steps_at: dict[int, int], step_ms: dict[int, float], floor: int = 0) -> float:
