@@ -90,6 +90,10 @@ class TrainConfig:
     # Actor, critic and reference run on the rows' real tokens packed into full rows (no
     # padding computed, pipeline/packing.py); false: the padded rows as they are.
     pack_sequences: bool = True
+    # With packing, on GPUs, the actor computes a prompt once for all the rows that share it
+    # (a GRPO group's samples): one sequence of the prompt and its responses, each response
+    # attending to the prompt and itself through a FlexAttention block mask.
+    share_prompts: bool = True
     # Actor and critic recompute each transformer block in the backward pass instead of
     # keeping its activations: far less GPU memory for about a third more update compute.
     gradient_checkpointing: bool = True

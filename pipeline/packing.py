@@ -22,6 +22,10 @@ from typing import Sequence
 
 import torch
 
+# The forwards' packing mode in which rows with the same prompt share one copy of it
+# (pack_shared_prompts); True packs each row whole (pack_rows), False packs nothing.
+SHARED_PROMPTS = "shared_prompts"
+
 # Packed widths are multiples of this: few distinct shapes, and rows that end on whole
 # tiles; small, so that rows of short sequences are not padded much either.
 PACK_ALIGN = 16
@@ -169,12 +173,142 @@ def unpack_responses(values: torch.Tensor, outputs: torch.Tensor, shape: tuple[i
     return flat.index_put((outputs,), values).view(shape)
 
 
-def computed_tokens(batch, packed: bool) -> list[int]:
-    """The tokens a forward computes for each row of `batch` (input_ids and attention_mask,
-    (B, L)): its real tokens when packed, else the padded width. What a token budget counts."""
-    if packed:
-        return batch.attention_mask.sum(-1).tolist()
-    return [batch.input_ids.shape[1]] * batch.input_ids.shape[0]
+@dataclass(frozen=True)
+class SharedPromptRows:
+    """A micro-batch packed with each prompt once: a group of rows whose prompts are the
+    same tokens (a GRPO group, or PPO samples of one prompt) becomes one sequence, its prompt
+    followed by each row's response, and each response sees the prompt and itself only.
+
+    input_ids, position_ids: (N, W); a response's positions continue its prompt's, as in
+    the padded row. unit, part: (N, W) which group (unit) a token belongs to and which part
+    of it: 0 the prompt, i >= 1 the unit's i-th response; filler has a unit of its own.
+    predictors: (T,) flat index into N*W of the hidden state that predicts each real
+    response token (its prompt's last token for the first one), outputs: (T,) that token's
+    flat index into the (B, R) response layout, as response_slots returns them.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    unit: torch.Tensor
+    part: torch.Tensor
+    predictors: torch.Tensor
+    outputs: torch.Tensor
+    plan: PackPlan
+
+    def visible(self, row, head, query, key):
+        """Whether position `query` of packed row `row` attends to position `key`: the key
+        comes no later, in the same unit, from the prompt or the query's own response.
+        Tensors that broadcast; FlexAttention's mask_mod signature (`head` unused)."""
+        unit, part = self.unit, self.part
+        return ((key <= query) & (unit[row, query] == unit[row, key])
+                & ((part[row, key] == 0) | (part[row, key] == part[row, query])))
+
+    def dense_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """(N, 1, W, W) additive mask (0 where visible, the dtype's lowest value elsewhere):
+        exact with any attention, but it computes every pair of a packed row."""
+        rows, width = self.input_ids.shape
+        index = torch.arange(width, device=self.input_ids.device)
+        row = torch.arange(rows, device=index.device)[:, None, None]
+        seen = self.visible(row, None, index[None, :, None], index[None, None, :])
+        mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+        return mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]
+
+
+def prompt_units(input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's prompt among the distinct ones: rows with the same real
+    prompt tokens (the first P columns where `prompt_mask`, (B, P), is set) get the same."""
+    keys = torch.where(prompt_mask, input_ids[:, :prompt_mask.shape[1]], -1)
+    return torch.unique(keys, dim=0, return_inverse=True)[1]
+
+
+def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                        pad_id: int = 0) -> SharedPromptRows:
+    """(B, P+R) rows (prompt left-padded to P, response right-padded, at least one prompt
+    token each) -> SharedPromptRows. Rows with the same real prompt tokens share one copy of
+    it; the groups are packed first-fit decreasing into rows as long as the longest group."""
+    rows, width_in = input_ids.shape
+    device = input_ids.device
+    mask = attention_mask.bool()
+    prompt_mask, response_mask = mask[:, :prompt_length], mask[:, prompt_length:]
+    prompt_tokens, response_tokens = prompt_mask.sum(-1), response_mask.sum(-1)
+    unit = prompt_units(input_ids, prompt_mask)
+    units = int(unit.max()) + 1 if rows else 0
+    order = torch.argsort(unit * rows + torch.arange(rows, device=device))   # by unit, then row
+    first_of_unit = torch.full((units,), rows, device=device).scatter_reduce(
+        0, unit, torch.arange(rows, device=device), "amin")
+    unit_prompt = prompt_tokens[first_of_unit]
+    unit_lengths = unit_prompt + torch.zeros(units, dtype=torch.long, device=device).index_add(0, unit, response_tokens)
+    plan = plan_packing(unit_lengths.tolist())
+    count, width = len(plan.bins), plan.width
+    unit_start, fills = [0] * units, []
+    for b, members in enumerate(plan.bins):
+        offset = b * width
+        for u in members:
+            unit_start[u] = offset
+            offset += plan.lengths[u]
+        fills.append(offset - b * width)
+    unit_start_t = torch.tensor(unit_start, device=device)
+    # Each row's response follows its unit's prompt and the responses of the unit's earlier rows.
+    sorted_lengths = response_tokens[order]
+    before_in_unit = torch.cumsum(sorted_lengths, 0) - sorted_lengths
+    before_in_unit = before_in_unit - before_in_unit[_first_index(unit[order])]
+    response_start = torch.empty_like(response_tokens)
+    response_start[order] = unit_start_t[unit[order]] + unit_prompt[unit[order]] + before_in_unit
+    rank = torch.empty_like(response_tokens)
+    rank[order] = torch.arange(rows, device=device) - _first_index(unit[order])
+
+    packed_ids = input_ids.new_full((count * width,), pad_id)
+    positions = (torch.arange(width, device=device) - torch.tensor(fills, device=device)[:, None])
+    longest_row = int((prompt_tokens + response_tokens).max()) if rows else 1
+    positions = positions.remainder(max(longest_row, 1)).reshape(-1)   # filler: positions rows use
+    unit_map = (units + torch.arange(count, device=device)).repeat_interleave(width)   # filler: a unit per row
+    part_map = torch.zeros(count * width, dtype=torch.long, device=device)
+    # The prompts, one copy per unit (from its first row).
+    p_row = torch.repeat_interleave(first_of_unit, unit_prompt)
+    p_unit = torch.repeat_interleave(torch.arange(units, device=device), unit_prompt)
+    p_within = torch.arange(p_row.numel(), device=device) - (torch.cumsum(unit_prompt, 0) - unit_prompt)[p_unit]
+    p_target = unit_start_t[p_unit] + p_within
+    packed_ids[p_target] = input_ids[p_row, prompt_length - unit_prompt[p_unit] + p_within]
+    positions[p_target], unit_map[p_target] = p_within, p_unit
+    # The responses.
+    row_of, column = response_mask.nonzero(as_tuple=True)
+    r_target = response_start[row_of] + column
+    packed_ids[r_target] = input_ids[row_of, prompt_length + column]
+    positions[r_target] = prompt_tokens[row_of] + column
+    unit_map[r_target], part_map[r_target] = unit[row_of], rank[row_of] + 1
+    # The first response token is predicted by its prompt's last token, the rest by the token before.
+    prompt_last = unit_start_t[unit[row_of]] + prompt_tokens[row_of] - 1
+    predictors = torch.where(column == 0, prompt_last, r_target - 1)
+    shape = (count, width)
+    return SharedPromptRows(packed_ids.view(shape), positions.view(shape), unit_map.view(shape),
+                            part_map.view(shape), predictors, row_of * response_mask.shape[1] + column, plan)
+
+
+def _first_index(sorted_keys: torch.Tensor) -> torch.Tensor:
+    """For each element of a sorted 1-D tensor, the index of the first element equal to it."""
+    index = torch.arange(sorted_keys.numel(), device=sorted_keys.device)
+    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    return torch.cummax(torch.where(starts, index, 0), 0).values
+
+
+def computed_tokens(batch, packed: bool | str) -> list[int]:
+    """The tokens a forward computes for each row of `batch` (input_ids, attention_mask and
+    prompt_length; (B, L)): its real tokens when packed, else the padded width. What a token
+    budget counts. SHARED_PROMPTS: a row whose prompt an earlier row has counts its response."""
+    if not packed:
+        return [batch.input_ids.shape[1]] * batch.input_ids.shape[0]
+    real = batch.attention_mask.sum(-1)
+    if packed != SHARED_PROMPTS:
+        return real.tolist()
+    prompts = batch.attention_mask[:, :batch.prompt_length].bool()
+    unit = prompt_units(batch.input_ids, prompts)
+    seen: set[int] = set()
+    counts = []
+    for row, (u, tokens, prompt) in enumerate(zip(unit.tolist(), real.tolist(), prompts.sum(-1).tolist())):
+        counts.append(tokens - prompt if u in seen else tokens)
+        seen.add(u)
+    return counts
 
 
 def micro_batch_count(lengths: Sequence[int], budget: int) -> int:

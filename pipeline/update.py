@@ -44,7 +44,7 @@ class PolicyUpdate:
         The first update queues behind it on each worker."""
         tc = self.train_config
         self._warming = [self.fleet.submit("actor", actor.warm_up, tc.temperature, tc.entropy_coef > 0,
-                                           tc.pack_sequences, tc.ppo_epochs * tc.mini_batches > 1,
+                                           tc.pack_sequences, tc.ppo_epochs * tc.mini_batches > 1, tc.share_prompts,
                                            tag="warm-up", workers=[address])
                          for address in self.fleet.addresses("actor")]
 
@@ -116,7 +116,8 @@ class PolicyUpdate:
             keep_versions=self.keep_versions, recovery_path=self._recovery_path("actor"),
             clip_ratio_high=tc.clip_ratio_high, clip_ratio_c=tc.clip_ratio_c, policy_loss=tc.policy_loss,
             loss_agg_mode=tc.loss_agg_mode, sequence_counts=sequences, horizon=float(tc.max_new_tokens),
-            entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor, pack_sequences=tc.pack_sequences)
+            entropy_coef=tc.entropy_coef, lr=tc.actor_lr * factor, pack_sequences=tc.pack_sequences,
+            share_prompts=tc.share_prompts)
         actor_workers, actor_futures = self._rank_tasks("actor", actor.update, experience, policy_step)
         if "critic" in self.roles:
             critic_step = critic.CriticStep(clip_range=tc.value_clip,

@@ -17,7 +17,9 @@ from pipeline.packing import computed_tokens
 from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
-from pipeline.roles.forward import in_row_chunks, response_logprobs, response_logprobs_and_entropy, warm_up_batch
+from pipeline.roles.forward import (
+    choose_packing, in_row_chunks, response_logprobs, response_logprobs_and_entropy, warm_up_batch,
+)
 from pipeline.roles.host import resolve_device, role_state, settle_heap
 from pipeline.roles.training import GroupInfo, Trainable
 from resources.allocator import rows_per_micro_batch
@@ -51,6 +53,7 @@ class PolicyStep:
     entropy_coef: float = 0.0             # weight of the entropy bonus (the entropy is measured anyway)
     lr: float | None = None               # learning rate of this update (None: leave the optimizer's)
     pack_sequences: bool = True           # forwards over the rows' real tokens, packed (pipeline/packing.py)
+    share_prompts: bool = True            # and a group's prompt computed once, on GPUs (forward.choose_packing)
 
 
 class ActorRole:
@@ -69,7 +72,14 @@ class ActorRole:
     def close(self) -> None:
         self.trainer.close()
 
-    def warm_up(self, temperature: float, entropy_grad: bool, pack: bool, proximal: bool) -> float | None:
+    def packing(self, pack_sequences: bool, share_prompts: bool) -> bool | str:
+        """The packing of this actor's forwards (forward.choose_packing; a sharded model packs rows)."""
+        if self.trainer.sharded:
+            return pack_sequences
+        return choose_packing(self.trainer.model, self.device, pack_sequences, share_prompts)
+
+    def warm_up(self, temperature: float, entropy_grad: bool, pack: bool, proximal: bool,
+                share_prompts: bool = True) -> float | None:
         """Compile a compiled actor's update now, on a made-up batch (forward.warm_up_batch),
         so that the first update does not: the trainer asks for it at start, while the first
         batch generates. Weights and optimizer state are left as they were. Returns the
@@ -77,6 +87,7 @@ class ActorRole:
         if not self.trainer.compile_model:
             return None
         start = time.perf_counter()
+        pack = self.packing(pack, share_prompts)
         model = self.trainer.model
         ids, mask, prompt = warm_up_batch(model.config.vocab_size, self.device)
 
@@ -112,7 +123,8 @@ class ActorRole:
         # the proximal policy is the model of the loss's own forward: its detached logprobs
         # are the proximal ones (None below), and a whole forward pass is saved.
         one_step = step.epochs * len(mini_batches) == 1
-        proximal = [None] * len(mini_batches) if one_step else [self._logprobs(b, step) for b in mini_batches]
+        pack = self.packing(step.pack_sequences, step.share_prompts)
+        proximal = [None] * len(mini_batches) if one_step else [self._logprobs(b, step, pack) for b in mini_batches]
         per_step = []
         sequences = step.sequence_counts or (None,) * len(mini_batches)
         for _ in range(step.epochs):
@@ -120,10 +132,10 @@ class ActorRole:
                 def take(rows, batch=batch, prox=prox):
                     return batch.select(rows), None if prox is None else prox[rows]
 
-                loss = lambda model, c: self._loss(model, c, step, normalizer, seqs)  # noqa: E731
+                loss = lambda model, c: self._loss(model, c, step, normalizer, seqs, pack)  # noqa: E731
                 per_step.append(self.trainer.optimizer_step(take, len(batch), loss, max_rows=step.micro_batch_size,
                                                             tokens_per_row=batch.input_ids.shape[1],
-                                                            row_tokens=computed_tokens(batch, step.pack_sequences)))
+                                                            row_tokens=computed_tokens(batch, pack)))
         totals = sum_stats(per_step)
         if totals.get("refused_steps", 0) == len(per_step):  # no step applied: the published version stands
             return totals, None
@@ -133,23 +145,23 @@ class ActorRole:
                                                             keep=step.keep_versions, transport=step.transport)
         return self.trainer.record(step.next_version, (totals, handle), step.recovery_path)
 
-    def _logprobs(self, batch: Experience, step: PolicyStep) -> torch.Tensor:
+    def _logprobs(self, batch: Experience, step: PolicyStep, pack: bool | str) -> torch.Tensor:
         model = self.trainer.model.eval()
         if not self.trainer.sharded:
             return in_row_chunks(response_logprobs, model, batch, step.micro_batch_size, self.device,
-                                 step.temperature, what="proximal logprobs", pack=step.pack_sequences)
+                                 step.temperature, what="proximal logprobs", pack=pack)
         ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
         return self.trainer.sharded_forward(
             lambda rows: response_logprobs(model, ids[rows], mask[rows], batch.prompt_length, step.temperature,
-                                           pack=step.pack_sequences).float(),
+                                           pack=pack).float(),
             len(batch), rows_per_micro_batch(step.micro_batch_size), what="proximal logprobs")
 
-    def _loss(self, model, chunk, step: PolicyStep, normalizer: float, sequences: float | None):
+    def _loss(self, model, chunk, step: PolicyStep, normalizer: float, sequences: float | None, pack: bool | str):
         batch, proximal = chunk
         mask = batch.response_mask.to(self.device)
         logp, entropy = response_logprobs_and_entropy(
             model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device), batch.prompt_length,
-            step.temperature, entropy_grad=step.entropy_coef > 0, pack=step.pack_sequences)
+            step.temperature, entropy_grad=step.entropy_coef > 0, pack=pack)
         proximal = logp.detach() if proximal is None else proximal
         is_weights = importance_weights(proximal, batch.behavior_logprobs.to(self.device), mask, step.is_cap)
         # One aggregation for every term, with the global counts: splitting never changes the sum.
@@ -181,11 +193,12 @@ def update(mini_batches: list[Experience], group: GroupInfo,
     return stats, handle
 
 
-def warm_up(temperature: float, entropy_grad: bool, pack: bool, proximal: bool) -> float | None:
+def warm_up(temperature: float, entropy_grad: bool, pack: bool, proximal: bool,
+            share_prompts: bool = True) -> float | None:
     """Task: ActorRole.warm_up. A failure here costs the first update its head start, never
     the run: the update compiles as it would have, and reports any real fault itself."""
     try:
-        return role_state("actor").warm_up(temperature, entropy_grad, pack, proximal)
+        return role_state("actor").warm_up(temperature, entropy_grad, pack, proximal, share_prompts)
     except Exception as error:  # noqa: BLE001 - see above
         logger.warning("dask-rl: the actor's warm-up failed (%s); its first update compiles instead", error)
         return None

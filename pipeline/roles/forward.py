@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
-from pipeline.packing import pack_rows, response_slots, unpack_responses
+from pipeline.packing import SHARED_PROMPTS, pack_rows, pack_shared_prompts, response_slots, unpack_responses
 from resources.allocator import free_bytes, in_chunks, rows_per_micro_batch
 
 
@@ -20,6 +20,9 @@ from resources.allocator import free_bytes, in_chunks, rows_per_micro_batch
 # the 0.5B model, 512 instead of 1024 took the actor's peak from 10.3 to 8.5 GiB at the same
 # step time (benchmarks/gpu_memory_variants.sh).
 LOGIT_CHUNK_TOKENS = 512
+
+# transformers' name of the attention that takes block masks (a group's prompt computed once).
+FLEX_ATTENTION = "flex_attention"
 
 # model -> (rows per chunk that fitted after an out-of-memory error, free bytes then).
 _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -79,7 +82,8 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     recomputed in the backward pass instead of being kept (memory: one chunk, not B x R x V).
 
     `pack`: the rows' real tokens run packed (pipeline/packing.py) and only real response
-    tokens are projected; padded response positions are then exactly 0.
+    tokens are projected; padded response positions are then exactly 0. SHARED_PROMPTS:
+    packed too, and rows with the same prompt compute it once (pack_shared_prompts).
     """
     return _response_scores(model, input_ids, attention_mask, prompt_length, temperature, None, pack)[0]
 
@@ -94,7 +98,7 @@ def response_logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask
 
 
 def _response_scores(model, input_ids, attention_mask, prompt_length: int, temperature: float,
-                     entropy_grad: bool | None, pack: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool | None, pack: bool | str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs, entropy or None); entropy_grad None: no entropy."""
     targets = input_ids[:, prompt_length:]
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
@@ -102,7 +106,7 @@ def _response_scores(model, input_ids, attention_mask, prompt_length: int, tempe
     project = _compiled_project if model in _COMPILED else _project
     if pack:
         return _packed_scores(model, separable, project, input_ids, attention_mask, prompt_length, temperature,
-                              entropy_grad)
+                              entropy_grad, pack)
     if not separable:
         logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits[:, :-1]
         return _project_logits(logits, targets, temperature, entropy_grad)
@@ -111,21 +115,53 @@ def _response_scores(model, input_ids, attention_mask, prompt_length: int, tempe
 
 
 def _packed_scores(model, separable: bool, project, input_ids, attention_mask, prompt_length: int,
-                   temperature: float, entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   temperature: float, entropy_grad: bool | None,
+                   pack: bool | str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """_response_scores over the packed real tokens: the hidden states that predict real
     response tokens are gathered (T of them), scored, and scattered back to (B, R)."""
-    packed = pack_rows(input_ids, attention_mask)
-    predictors, outputs = response_slots(packed, attention_mask, prompt_length)
+    if pack == SHARED_PROMPTS:
+        shared = pack_shared_prompts(input_ids, attention_mask, prompt_length)
+        inputs, predictors, outputs = shared_prompt_inputs(model, shared), shared.predictors, shared.outputs
+    else:
+        packed = pack_rows(input_ids, attention_mask)
+        inputs = packed.model_inputs()
+        predictors, outputs = response_slots(packed, attention_mask, prompt_length)
     targets = input_ids[:, prompt_length:].reshape(-1)[outputs]
     if separable:
-        hidden = model.base_model(**packed.model_inputs()).last_hidden_state
+        hidden = model.base_model(**inputs).last_hidden_state
         scores = _chunked_scores(model.get_output_embeddings(), hidden.flatten(0, 1)[predictors], targets,
                                  temperature, entropy_grad, project)
     else:
-        logits = model(**packed.model_inputs()).logits.flatten(0, 1)[predictors]
+        logits = model(**inputs).logits.flatten(0, 1)[predictors]
         scores = _project_logits(logits, targets, temperature, entropy_grad)
     shape = (input_ids.shape[0], input_ids.shape[1] - prompt_length)
     return tuple(None if part is None else unpack_responses(part, outputs, shape) for part in scores)
+
+
+def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> bool | str:
+    """The packing of `model`'s forwards on `device`: SHARED_PROMPTS where prompts are to be
+    shared and the model can attend with FlexAttention on a GPU (its attention is switched
+    to it here), else `pack_sequences`. On a CPU a shared prompt would need a dense mask,
+    which computes more pairs than sharing saves, and FlexAttention has no backward there."""
+    if not (pack_sequences and share_prompts and torch.device(device).type == "cuda"):
+        return pack_sequences
+    if getattr(model.config, "_attn_implementation", None) != FLEX_ATTENTION:
+        model.set_attn_implementation(FLEX_ATTENTION)
+    return SHARED_PROMPTS
+
+
+def shared_prompt_inputs(model, shared) -> dict:
+    """Keyword arguments of a transformers forward over SharedPromptRows: a FlexAttention
+    block mask where the model attends with FlexAttention (blocks of pairs no query sees are
+    skipped), else a dense additive mask, exact with any attention but computing every pair."""
+    rows, width = shared.input_ids.shape
+    if getattr(model.config, "_attn_implementation", None) == FLEX_ATTENTION:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mask = create_block_mask(shared.visible, rows, None, width, width, device=shared.input_ids.device)
+    else:
+        mask = shared.dense_mask(next(model.parameters()).dtype)
+    return dict(input_ids=shared.input_ids, position_ids=shared.position_ids, attention_mask=mask, use_cache=False)
 
 
 def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -159,7 +159,7 @@ def test_actor_loss_gradients_equal_padded(policy):
                           snapshot_dir="", entropy_coef=0.01, pack_sequences=pack)
         policy.zero_grad()
         role = types.SimpleNamespace(device="cpu")
-        loss, _ = ActorRole._loss(role, policy, (experience, None), step, step.normalizers[0], None)
+        loss, _ = ActorRole._loss(role, policy, (experience, None), step, step.normalizers[0], None, pack)
         loss.backward()
         grads[pack] = {name: p.grad.clone() for name, p in policy.named_parameters()}
     for name, grad in grads[False].items():
@@ -214,7 +214,7 @@ def _step_gradients(trainable: Trainable, experience: Experience, max_rows) -> t
 
     def loss(model, chunk):
         seen.append(len(chunk[0]))
-        return ActorRole._loss(role, model, chunk, step, step.normalizers[0], None)
+        return ActorRole._loss(role, model, chunk, step, step.normalizers[0], None, True)
 
     trainable.optimizer.step = lambda: grads.update(
         {name: p.grad.clone() for name, p in trainable.model.named_parameters()})

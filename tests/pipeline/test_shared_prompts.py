@@ -1,0 +1,153 @@
+"""train.share_prompts: rows with the same prompt packed as one sequence (the prompt once,
+then each response), by hand; the mask each response sees; logprobs, entropy and the actor
+loss's gradients equal to the padded rows' on a real tiny model (the dense mask a CPU runs);
+the token counts a budget reads; and where the actor turns it on."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from pipeline.config import TrainConfig, TrainConfigError, make_train_config
+from pipeline.models import load_causal_lm
+from pipeline.packing import SHARED_PROMPTS, computed_tokens, pack_shared_prompts, prompt_units
+from pipeline.records import Experience
+from pipeline.roles import forward
+from pipeline.roles.actor import ActorRole, PolicyStep
+from pipeline.roles.forward import FLEX_ATTENTION, choose_packing, response_logprobs_and_entropy
+
+PROMPT, RESPONSE = 4, 3
+
+
+def _hand_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows 0 and 2 share prompt [5, 6] (left-padded), row 1 has prompt [4, 5, 6, 7]."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0],
+                        [4, 5, 6, 7, 3, 0, 0],
+                        [0, 0, 5, 6, 9, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0],
+                         [1, 1, 1, 1, 1, 0, 0],
+                         [0, 0, 1, 1, 1, 0, 0]])
+    return ids, mask
+
+
+def test_shared_prompt_layout_by_hand():
+    ids, mask = _hand_rows()
+    assert prompt_units(ids, mask[:, :PROMPT].bool()).tolist() == [0, 1, 0]
+    shared = pack_shared_prompts(ids, mask, PROMPT)
+    # Units: [5, 6 | 7, 8 | 9] and [4, 5, 6, 7 | 3], 5 tokens each: one packed row of 16.
+    assert shared.plan.lengths == (5, 5) and shared.plan.bins == ((0, 1),) and shared.plan.width == 16
+    assert shared.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 5, 6, 7, 3] + [0] * 6]
+    # A response continues its prompt's positions; the filler counts from 0, below the longest row (5).
+    assert shared.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0]]
+    assert shared.part.tolist() == [[0, 0, 1, 1, 2, 0, 0, 0, 0, 1] + [0] * 6]
+    assert shared.unit.tolist() == [[0] * 5 + [1] * 5 + [2] * 6]   # the filler: a unit of its own
+    # Row 0's tokens 7, 8 are predicted from positions 1 (the prompt's last) and 2; row 1's 3
+    # from 8; row 2's 9 from position 1 too: the shared prompt's last token.
+    assert shared.predictors.tolist() == [1, 2, 8, 1]
+    assert shared.outputs.tolist() == [0, 1, 3, 6]     # (row, column) -> row * 3 + column
+
+
+def test_each_response_sees_its_prompt_and_itself():
+    shared = pack_shared_prompts(*_hand_rows(), PROMPT)
+    seen = shared.dense_mask(torch.float32)[0, 0] == 0
+    assert seen[:5, :5].int().tolist() == [[1, 0, 0, 0, 0],    # prompt 5
+                                           [1, 1, 0, 0, 0],    # prompt 6
+                                           [1, 1, 1, 0, 0],    # 7 (row 0)
+                                           [1, 1, 1, 1, 0],    # 8 (row 0)
+                                           [1, 1, 0, 0, 1]]    # 9 (row 2): the prompt and itself, not row 0
+    assert not seen[5:, :5].any() and not seen[10:, :10].any()   # no unit sees another, nor the filler
+    assert (seen[5:10, 5:10] == torch.ones(5, 5, dtype=torch.bool).tril()).all()   # the second: causal
+
+
+def test_budget_counts_a_shared_prompt_once():
+    ids, mask = _hand_rows()
+    batch = types.SimpleNamespace(input_ids=ids, attention_mask=mask, prompt_length=PROMPT)
+    assert computed_tokens(batch, True) == [4, 5, 3]
+    assert computed_tokens(batch, SHARED_PROMPTS) == [4, 5, 1]   # row 2's prompt is row 0's
+    assert computed_tokens(batch, False) == [7, 7, 7]
+
+
+def _group_rows(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three groups (prompts of 6, 3 and 1 tokens, left-padded to 6) of 3, 2 and 3 samples,
+    responses of 0-9 tokens, rows shuffled: a group's rows are not consecutive."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_width, response_width = 6, 9
+    groups = [(6, (9, 2, 5)), (3, (0, 7)), (1, (4, 9, 1))]
+    rows, masks = [], []
+    for prompt_len, responses in groups:
+        prompt = torch.randint(2, vocab, (prompt_len,), generator=generator)
+        for response_len in responses:
+            row = torch.zeros(prompt_width + response_width, dtype=torch.long)
+            row_mask = torch.zeros_like(row)
+            row[prompt_width - prompt_len:prompt_width], row_mask[prompt_width - prompt_len:prompt_width] = prompt, 1
+            row[prompt_width:prompt_width + response_len] = torch.randint(2, vocab, (response_len,),
+                                                                          generator=generator)
+            row_mask[prompt_width:prompt_width + response_len] = 1
+            rows.append(row)
+            masks.append(row_mask)
+    order = torch.randperm(len(rows), generator=generator)
+    return torch.stack(rows)[order], torch.stack(masks)[order]
+
+
+@pytest.fixture(params=[True, False], ids=["separable", "whole-model"])
+def policy(request, tiny_model, monkeypatch):
+    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 4)   # several chunks, the last short
+    model = load_causal_lm(tiny_model).eval()
+    if not request.param:
+        forward._SEPARABLE[model] = False
+    return model
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_logprobs_and_entropy_equal_padded(policy, attention):
+    policy.set_attn_implementation(attention)
+    ids, mask = _group_rows(policy.config.vocab_size)
+    response = mask[:, 6:].bool()
+    padded = response_logprobs_and_entropy(policy, ids, mask, 6, 0.7, entropy_grad=True)
+    shared = response_logprobs_and_entropy(policy, ids, mask, 6, 0.7, entropy_grad=True, pack=SHARED_PROMPTS)
+    assert pack_shared_prompts(ids, mask, 6).plan.real_tokens == int(mask.sum()) - 2 * 6 - 1 * 3 - 2 * 1
+    for name, want, got in zip(("logprobs", "entropy"), padded, shared):
+        torch.testing.assert_close(got[response], want[response], rtol=0, atol=1e-5, msg=name)
+        assert (got[~response] == 0).all(), name
+
+
+def test_actor_loss_gradients_with_shared_prompts_equal_padded(policy):
+    ids, mask = _group_rows(policy.config.vocab_size, seed=1)
+    response = mask[:, 6:].float()
+    generator = torch.Generator().manual_seed(2)
+    noise = lambda: torch.randn(response.shape, generator=generator) * response  # noqa: E731
+    experience = Experience(input_ids=ids, attention_mask=mask, response_mask=response,
+                            behavior_logprobs=noise() * 0.1 - 2.0, ref_logprobs=noise() * 0.1 - 2.0,
+                            advantages=noise(), returns=noise(), old_values=noise(), prompt_length=6)
+    step = PolicyStep(clip_ratio=0.2, kl_coef_in_loss=0.05, temperature=0.7, micro_batch_size=16, epochs=1,
+                      is_cap=2.0, normalizers=(float(response.sum()),), next_version=1, snapshot_dir="",
+                      entropy_coef=0.01)
+    role = types.SimpleNamespace(device="cpu")
+    grads = {}
+    for pack in (False, SHARED_PROMPTS):
+        policy.zero_grad()
+        loss, _ = ActorRole._loss(role, policy, (experience, None), step, step.normalizers[0], None, pack)
+        loss.backward()
+        grads[pack] = {name: p.grad.clone() for name, p in policy.named_parameters()}
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[SHARED_PROMPTS][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_shared_prompts_apply_on_gpus_with_packing(tiny_model):
+    model = load_causal_lm(tiny_model)
+    attention = model.config._attn_implementation
+    assert choose_packing(model, "cpu", True, True) is True             # a CPU packs rows
+    assert choose_packing(model, "cuda", False, True) is False          # nothing packed: nothing shared
+    assert choose_packing(model, "cuda:0", True, False) is True         # turned off
+    assert model.config._attn_implementation == attention
+    assert choose_packing(model, "cuda:0", True, True) == SHARED_PROMPTS
+    assert model.config._attn_implementation == FLEX_ATTENTION          # what the block mask needs
+
+
+def test_share_prompts_config():
+    assert TrainConfig().share_prompts is True
+    assert make_train_config({"share_prompts": False}).share_prompts is False
+    with pytest.raises(TrainConfigError, match="share_prompts"):
+        make_train_config({"share_prompts": "yes"})
