@@ -157,7 +157,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                                 partial_rollouts=args.partial_rollouts, partial_request_groups=args.request_groups,
                                 partial_keep_kv=args.partial_keep_kv,
                                 gradient_checkpointing=not args.no_gradient_checkpointing,
-                                share_prompts=not args.no_share_prompts,
+                                share_prompts=args.share_prompts,
                                 micro_batch_size=micro_batch, actor_lr=1e-6, temperature=1.0, show_progress=False,
                                 dashboard_address=":0", output_dir=f"{args.work_dir}/dask-rl-mb{micro_batch}")
         started = time.perf_counter() - start
@@ -379,8 +379,8 @@ def main(argv=None) -> int:
                         help="dask-rl's gpu_sharing (mps: start an MPS control daemon first)")
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="dask-rl's actor without gradient checkpointing (TRL keeps it on)")
-    parser.add_argument("--no-share-prompts", action="store_true",
-                        help="dask-rl's actor computes each row's prompt (train.share_prompts: false)")
+    parser.add_argument("--share-prompts", action="store_true",
+                        help="dask-rl's actor computes a group's prompt once (train.share_prompts: true)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     model_dir = str(save_qwen2_05b(args.model_dir))

@@ -77,7 +77,7 @@ def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool) -
         rows = chunk[0]
         computed.append(plan_packing(rows.attention_mask.sum(-1).tolist()).computed_tokens if pack
                         else rows.input_ids.numel())
-        return ActorRole._loss(role, model, chunk, step, step.normalizers[0], None)
+        return ActorRole._loss(role, model, chunk, step, step.normalizers[0], None, pack)
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -53,7 +53,7 @@ class PolicyStep:
     entropy_coef: float = 0.0             # weight of the entropy bonus (the entropy is measured anyway)
     lr: float | None = None               # learning rate of this update (None: leave the optimizer's)
     pack_sequences: bool = True           # forwards over the rows' real tokens, packed (pipeline/packing.py)
-    share_prompts: bool = True            # and a group's prompt computed once, on GPUs (forward.choose_packing)
+    share_prompts: bool = False           # and a group's prompt computed once, on GPUs (forward.choose_packing)
 
 
 class ActorRole:
@@ -79,7 +79,7 @@ class ActorRole:
         return choose_packing(self.trainer.model, self.device, pack_sequences, share_prompts)
 
     def warm_up(self, temperature: float, entropy_grad: bool, pack: bool, proximal: bool,
-                share_prompts: bool = True) -> float | None:
+                share_prompts: bool = False) -> float | None:
         """Compile a compiled actor's update now, on a made-up batch (forward.warm_up_batch),
         so that the first update does not: the trainer asks for it at start, while the first
         batch generates. Weights and optimizer state are left as they were. Returns the
@@ -194,7 +194,7 @@ def update(mini_batches: list[Experience], group: GroupInfo,
 
 
 def warm_up(temperature: float, entropy_grad: bool, pack: bool, proximal: bool,
-            share_prompts: bool = True) -> float | None:
+            share_prompts: bool = False) -> float | None:
     """Task: ActorRole.warm_up. A failure here costs the first update its head start, never
     the run: the update compiles as it would have, and reports any real fault itself."""
     try:

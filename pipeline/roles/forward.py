@@ -158,7 +158,10 @@ def shared_prompt_inputs(model, shared) -> dict:
     if getattr(model.config, "_attn_implementation", None) == FLEX_ATTENTION:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        mask = create_block_mask(shared.visible, rows, None, width, width, device=shared.input_ids.device)
+        def visible(row, head, query, key):   # a plain function: FlexAttention reads its arity
+            return shared.visible(row, head, query, key)
+
+        mask = create_block_mask(visible, rows, None, width, width, device=shared.input_ids.device)
     else:
         mask = shared.dense_mask(next(model.parameters()).dtype)
     return dict(input_ids=shared.input_ids, position_ids=shared.position_ids, attention_mask=mask, use_cache=False)

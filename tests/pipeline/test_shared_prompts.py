@@ -147,7 +147,7 @@ def test_shared_prompts_apply_on_gpus_with_packing(tiny_model):
 
 
 def test_share_prompts_config():
-    assert TrainConfig().share_prompts is True
-    assert make_train_config({"share_prompts": False}).share_prompts is False
+    assert TrainConfig().share_prompts is False
+    assert make_train_config({"share_prompts": True}).share_prompts is True
     with pytest.raises(TrainConfigError, match="share_prompts"):
         make_train_config({"share_prompts": "yes"})
