@@ -19,7 +19,13 @@ as train.gradient_checkpointing defaults to. Two ways:
   onto the vocabulary (the head, the float32 log-softmax and entropy of each chunk of
   response tokens, pipeline/roles/forward.py's _project) compiled;
 - packed, compile_model (--compile-model): both, as train.compile_model (the default) runs
-  the actor on a GPU.
+  the actor on a GPU;
+- packed, compile_model, shared prompts (--share-prompts): the same with train.share_prompts,
+  each group of --samples rows (one prompt) run as its prompt once and then its responses,
+  through a FlexAttention block mask.
+
+--samples N gives every N consecutive rows one prompt, as a GRPO group's samples have (1:
+every row its own); `--max-response 256 --mean-response 1e9` makes every response 256 tokens.
 
 --profile runs the auto packed step once more under torch.profiler and prints the operators
 that took the most device time.
@@ -46,17 +52,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config  # noqa: E402
-from pipeline.packing import computed_tokens, plan_packing  # noqa: E402
+from pipeline.packing import SHARED_PROMPTS, computed_tokens, pack_shared_prompts, plan_packing  # noqa: E402
 from pipeline.records import Experience  # noqa: E402
 from pipeline.roles import forward  # noqa: E402
 from pipeline.roles.actor import ActorRole, PolicyStep  # noqa: E402
 from pipeline.roles.training import Trainable  # noqa: E402
 
 
-def experience(rows: int, prompt: int, response: int, mean: float, vocab: int, seed: int) -> Experience:
+def experience(rows: int, prompt: int, response: int, mean: float, vocab: int, seed: int,
+               samples: int = 1) -> Experience:
     responses = geometric_lengths(rows, mean, response, seed=seed)
     ids, mask = padded_rows([prompt] * rows, responses, vocab, prompt_width=prompt, response_width=response,
                             seed=seed)
+    groups = torch.arange(rows) // samples * samples
+    ids[:, :prompt] = ids[groups, :prompt]      # each group's rows take its first row's prompt
     real = mask[:, prompt:].float()
     generator = torch.Generator().manual_seed(seed + 1)
     return Experience(input_ids=ids, attention_mask=mask, response_mask=real,
@@ -65,7 +74,7 @@ def experience(rows: int, prompt: int, response: int, mean: float, vocab: int, s
                       returns=torch.zeros_like(real), old_values=torch.zeros_like(real), prompt_length=prompt)
 
 
-def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool) -> dict:
+def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool | str) -> dict:
     """One optimizer step; what it computed and cost."""
     step = PolicyStep(clip_ratio=0.2, kl_coef_in_loss=0.0, temperature=1.0, micro_batch_size=micro_batch_size,
                       epochs=1, is_cap=2.0, normalizers=(float(batch.response_mask.sum()),), next_version=1,
@@ -75,8 +84,12 @@ def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool) -
 
     def loss(model, chunk):
         rows = chunk[0]
-        computed.append(plan_packing(rows.attention_mask.sum(-1).tolist()).computed_tokens if pack
-                        else rows.input_ids.numel())
+        if pack == SHARED_PROMPTS:
+            computed.append(pack_shared_prompts(rows.input_ids, rows.attention_mask, rows.prompt_length)
+                            .plan.computed_tokens)
+        else:
+            computed.append(plan_packing(rows.attention_mask.sum(-1).tolist()).computed_tokens if pack
+                            else rows.input_ids.numel())
         return ActorRole._loss(role, model, chunk, step, step.normalizers[0], None, pack)
 
     torch.cuda.synchronize()
@@ -119,7 +132,11 @@ def main(argv=None) -> dict:
                         help="also run packed with the vocabulary projection compiled")
     parser.add_argument("--compile-model", action="store_true",
                         help="also run packed as train.compile_model does (blocks and projection compiled)")
-    parser.add_argument("--profile", action="store_true", help="profile one auto packed step")
+    parser.add_argument("--share-prompts", action="store_true",
+                        help="also run compile_model with train.share_prompts (see --samples)")
+    parser.add_argument("--samples", type=int, default=1, help="consecutive rows that share a prompt")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one step of the packed way (and of the compile_model ways, if run)")
     parser.add_argument("--only", nargs="*", help="run only the ways whose name starts with one of these")
     parser.add_argument("--json", help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
@@ -128,7 +145,8 @@ def main(argv=None) -> dict:
     from transformers import Qwen2ForCausalLM
 
     config = qwen2_05b_config(args.layers)
-    batch = experience(args.rows, args.prompt, args.max_response, args.mean_response, config.vocab_size, args.seed)
+    batch = experience(args.rows, args.prompt, args.max_response, args.mean_response, config.vocab_size, args.seed,
+                       args.samples)
     torch.manual_seed(args.seed)
     initial = Qwen2ForCausalLM(config).to(torch.bfloat16)    # built once (random init of 0.5B takes a while)
     results = {}
@@ -141,6 +159,8 @@ def main(argv=None) -> dict:
         ways += [("packed, compiled projection", "auto", True, True, None)]
     if args.compile_model:
         ways += [("packed, compile_model", "auto", True, True, None)]
+    if args.share_prompts:
+        ways += [("packed, compile_model, shared prompts", "auto", SHARED_PROMPTS, True, None)]
     eager_projection = forward._project
     if args.only:
         ways = [way for way in ways if way[0].startswith(tuple(args.only))]
@@ -149,26 +169,28 @@ def main(argv=None) -> dict:
             model = copy.deepcopy(initial)
             if compiled_blocks:
                 forward.compile_blocks(model)
+            if pack == SHARED_PROMPTS:
+                forward.choose_packing(model, "cuda", True, True)   # FlexAttention
             return model
         forward._project = forward._compiled_project if "projection" in name else eager_projection
         trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda", gradient_checkpointing=checkpointing,
-                              compile_model=name.endswith("compile_model"), role_name="actor")
+                              compile_model="compile_model" in name, role_name="actor")
         if cap:
             trainable.allocator.max_tokens = cap
         began = time.perf_counter()
         run(trainable, batch, micro_batch_size, pack)            # warm-up; the budget measures bytes per token
         warm_up = time.perf_counter() - began
         results[name] = {**run(trainable, batch, micro_batch_size, pack), "warm_up_seconds": warm_up}
-        if args.profile and name == "packed":
+        if args.profile and name in ("packed", "packed, compile_model", "packed, compile_model, shared prompts"):
             profile(trainable, batch, micro_batch_size, pack)
         del trainable
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: {args.rows} rows, prompt {args.prompt}, responses geometric mean "
           f"{args.mean_response:g} cut at {args.max_response}, {args.layers} layers, bf16")
-    print(f"{'':26} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'reserved':>9} {'micro-batches':>14} "
+    print(f"{'':38} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'reserved':>9} {'micro-batches':>14} "
           f"{'warm-up s':>10}")
     for name, r in results.items():
-        print(f"{name:26} {r['seconds']:8.2f} {r['computed_tokens'] / r['real_tokens']:14.2f} {r['peak_gib']:9.1f} "
+        print(f"{name:38} {r['seconds']:8.2f} {r['computed_tokens'] / r['real_tokens']:14.2f} {r['peak_gib']:9.1f} "
               f"{r['reserved_gib']:9.1f} {r['micro_batches']:14d} {r['warm_up_seconds']:10.1f}")
     if "padded" in results and "packed" in results:
         print(f"speed-up {results['padded']['seconds'] / results['packed']['seconds']:.2f}x")
