@@ -1,12 +1,12 @@
 """Decode attention alone: SDPA (gqa_decode's packed form) against the Triton slot kernel.
 
 One decode step's attention for one layer of the Qwen2-0.5B shape (14 query heads, 2 KV
-heads, head size 64, bf16) over a slot ring, each function compiled and captured as the
-engine does (torch.compile, "reduce-overhead"). Windows: `full`, every slot attends to all
+heads, head size 64, bf16) over a slot ring, each function compiled with torch.compile as
+the engine compiles it. Windows: `full`, every slot attends to all
 columns up to the current one (a fixed-length batch near its end); `tail`, windows of
 geometric lengths (mean --mean-window) at random places in the ring, wrapping (a long-
-tailed batch). Prints microseconds a call and each side's largest difference to a float32
-reference.
+tailed batch). Prints microseconds of GPU time a call (24 calls to a CUDA graph, as a decode
+step has 24 layers) and each side's largest difference to a float32 reference.
 
     python benchmarks/decode_attention.py --slots 256 32 8 --lengths 384 1152
 """
@@ -54,22 +54,30 @@ def sdpa(query, keys, values, mask, scale):
     return packed_gqa_attention(Layer(), query, keys, values, mask, scaling=scale)[0]
 
 
-def timed(function, inputs, repeats: int) -> tuple[float, torch.Tensor]:
-    # The engine's cache is marked static; unmarked inputs would be copied into the graph's
-    # own buffers at every replay (150 MB at 256 slots x 1152 columns), which timed the copy.
-    for tensor in inputs[:4]:
-        torch._dynamo.mark_static_address(tensor)
-    compiled = torch.compile(function, mode="reduce-overhead", dynamic=False)
-    for _ in range(3):
-        out = compiled(*inputs)
+def timed(function, inputs, repeats: int, calls: int = 24) -> tuple[float, torch.Tensor]:
+    """Microseconds of GPU time a call: `calls` calls (a decode step's 24 layers) captured in
+    one CUDA graph, replayed `repeats` times. One call a replay measured the replay's host
+    overhead instead (55-60 us whatever the kernel, on an H100), as the kernels take less."""
+    compiled = torch.compile(function, dynamic=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # compile and warm up outside the capture
+        for _ in range(3):
+            out = compiled(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = compiled(*inputs)
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
-        out = compiled(*inputs)
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats, out.clone()
+    return start.elapsed_time(end) * 1e3 / (repeats * calls), out.clone()
 
 
 def main(argv=None) -> int:
