@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config  # noqa: E402
+from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config, share_prompts  # noqa: E402
 from pipeline.packing import SHARED_PROMPTS, computed_tokens, pack_shared_prompts, plan_packing  # noqa: E402
 from pipeline.records import Experience  # noqa: E402
 from pipeline.roles import forward  # noqa: E402
@@ -62,10 +62,8 @@ from pipeline.roles.training import Trainable  # noqa: E402
 def experience(rows: int, prompt: int, response: int, mean: float, vocab: int, seed: int,
                samples: int = 1) -> Experience:
     responses = geometric_lengths(rows, mean, response, seed=seed)
-    ids, mask = padded_rows([prompt] * rows, responses, vocab, prompt_width=prompt, response_width=response,
-                            seed=seed)
-    groups = torch.arange(rows) // samples * samples
-    ids[:, :prompt] = ids[groups, :prompt]      # each group's rows take its first row's prompt
+    ids, mask = share_prompts(*padded_rows([prompt] * rows, responses, vocab, prompt_width=prompt,
+                                           response_width=response, seed=seed), prompt, samples)
     real = mask[:, prompt:].float()
     generator = torch.Generator().manual_seed(seed + 1)
     return Experience(input_ids=ids, attention_mask=mask, response_mask=real,

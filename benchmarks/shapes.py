@@ -133,6 +133,17 @@ def padded_rows(prompt_lengths: list[int], response_lengths: list[int], vocab: i
     return ids * mask, mask
 
 
+def share_prompts(ids, mask, prompt_width: int, samples: int):
+    """(ids, mask) of padded_rows with every `samples` consecutive rows given their first
+    row's prompt (tokens and padding), as a GRPO group's samples share one."""
+    import torch
+
+    first = torch.arange(ids.shape[0], device=ids.device) // samples * samples
+    ids, mask = ids.clone(), mask.clone()
+    ids[:, :prompt_width], mask[:, :prompt_width] = ids[first, :prompt_width], mask[first, :prompt_width]
+    return ids, mask
+
+
 def partial_requests(engine, draw_prompts, groups: int, samples: int, new: int, max_staleness: int,
                      request_groups: int, count: int, keep_kv: bool = False):
     """`count` consecutive requests as train.partial_rollouts makes them: each holds the rows

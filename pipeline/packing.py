@@ -226,8 +226,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     """(B, P+R) rows (prompt left-padded to P, response right-padded, at least one prompt
     token each) -> SharedPromptRows. Rows with the same real prompt tokens share one copy of
     it; the groups are packed first-fit decreasing into rows as long as the longest group."""
-    rows, width_in = input_ids.shape
-    device = input_ids.device
+    rows, device = input_ids.shape[0], input_ids.device
     mask = attention_mask.bool()
     prompt_mask, response_mask = mask[:, :prompt_length], mask[:, prompt_length:]
     prompt_tokens, response_tokens = prompt_mask.sum(-1), response_mask.sum(-1)
@@ -248,14 +247,15 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, p
             offset += plan.lengths[u]
         fills.append(offset - b * width)
     unit_start_t = torch.tensor(unit_start, device=device)
-    # Each row's response follows its unit's prompt and the responses of the unit's earlier rows.
-    sorted_lengths = response_tokens[order]
+    # Each row's response follows its unit's prompt and the responses of the unit's earlier
+    # rows; `rank` numbers the rows of a unit 0, 1, ... (in `order`, by unit then row).
+    sorted_units, sorted_lengths = unit[order], response_tokens[order]
+    unit_first = _first_index(sorted_units)
     before_in_unit = torch.cumsum(sorted_lengths, 0) - sorted_lengths
-    before_in_unit = before_in_unit - before_in_unit[_first_index(unit[order])]
-    response_start = torch.empty_like(response_tokens)
-    response_start[order] = unit_start_t[unit[order]] + unit_prompt[unit[order]] + before_in_unit
-    rank = torch.empty_like(response_tokens)
-    rank[order] = torch.arange(rows, device=device) - _first_index(unit[order])
+    response_start, rank = torch.empty_like(response_tokens), torch.empty_like(response_tokens)
+    response_start[order] = (unit_start_t[sorted_units] + unit_prompt[sorted_units]
+                             + before_in_unit - before_in_unit[unit_first])
+    rank[order] = torch.arange(rows, device=device) - unit_first
 
     packed_ids = input_ids.new_full((count * width,), pad_id)
     positions = (torch.arange(width, device=device) - torch.tensor(fills, device=device)[:, None])

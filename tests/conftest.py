@@ -47,6 +47,20 @@ def tiny_model(tmp_path_factory) -> str:
     return str(create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, seed=0))
 
 
+@pytest.fixture(params=[True, False], ids=["separable", "whole-model"])
+def policy(request, tiny_model, monkeypatch):
+    """The tiny model, loaded fresh, scoring responses in chunks of 4 tokens (several, the last
+    short): as its base model's output projected (separable) or through its whole forward."""
+    from pipeline.models import load_causal_lm
+    from pipeline.roles import forward
+
+    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 4)
+    model = load_causal_lm(tiny_model).eval()
+    if not request.param:
+        forward._SEPARABLE[model] = False
+    return model
+
+
 @pytest.fixture(scope="session")
 def shared_config():
     return load_resource_config(SHARED_LAYOUT)

@@ -10,14 +10,13 @@ import types
 import pytest
 import torch
 
-from benchmarks.shapes import geometric_lengths, padded_rows
+from benchmarks.shapes import geometric_lengths, padded_rows, share_prompts
 from pipeline.config import TrainConfig, TrainConfigError, make_train_config
 from pipeline.models import ValueModel, load_causal_lm
 from pipeline.packing import (
-    computed_tokens, first_fit_decreasing, micro_batch_count, pack_capacity, pack_rows, plan_packing, response_slots, token_chunks,
+    SHARED_PROMPTS, computed_tokens, first_fit_decreasing, micro_batch_count, pack_capacity, pack_rows, plan_packing, response_slots, token_chunks,
 )
 from pipeline.records import Experience
-from pipeline.roles import forward
 from pipeline.roles.actor import ActorRole, PolicyStep
 from pipeline.roles.forward import (
     in_row_chunks, response_logprobs, response_logprobs_and_entropy, response_values,
@@ -119,23 +118,15 @@ def _rows(vocab: int, prompt_lengths=(6, 3, 1, 4, 5), response_lengths=(9, 2, 5,
                        response_width=RESPONSE, seed=seed)
 
 
-def _experience(vocab: int, **lengths) -> Experience:
-    ids, mask = _rows(vocab, **lengths)
+def _experience(vocab: int, samples: int = 1, **lengths) -> Experience:
+    """Rows of _rows, every `samples` consecutive ones sharing a prompt."""
+    ids, mask = share_prompts(*_rows(vocab, **lengths), PROMPT, samples)
     response = mask[:, PROMPT:].float()
     generator = torch.Generator().manual_seed(1)
     noise = lambda: torch.randn(response.shape, generator=generator) * response  # noqa: E731
     return Experience(input_ids=ids, attention_mask=mask, response_mask=response,
                       behavior_logprobs=noise() * 0.1 - 2.0, ref_logprobs=noise() * 0.1 - 2.0, advantages=noise(),
                       returns=noise(), old_values=noise(), prompt_length=PROMPT)
-
-
-@pytest.fixture(params=[True, False], ids=["separable", "whole-model"])
-def policy(request, tiny_model, monkeypatch):
-    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 4)   # several chunks, the last short
-    model = load_causal_lm(tiny_model).eval()
-    if not request.param:
-        forward._SEPARABLE[model] = False
-    return model
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -151,19 +142,22 @@ def test_packed_logprobs_and_entropy_equal_padded(policy, attention):
 
 
 def test_actor_loss_gradients_equal_padded(policy):
-    experience = _experience(policy.config.vocab_size)
+    """Packed rows, and a shared prompt computed once (train.share_prompts; pairs of rows
+    share one here), give the padded rows' gradients."""
+    experience = _experience(policy.config.vocab_size, samples=2)
     grads = {}
-    for pack in (False, True):
+    for pack in (False, True, SHARED_PROMPTS):
         step = PolicyStep(clip_ratio=0.2, kl_coef_in_loss=0.05, temperature=0.7, micro_batch_size=16, epochs=1,
                           is_cap=2.0, normalizers=(float(experience.response_mask.sum()),), next_version=1,
-                          snapshot_dir="", entropy_coef=0.01, pack_sequences=pack)
+                          snapshot_dir="", entropy_coef=0.01)
         policy.zero_grad()
         role = types.SimpleNamespace(device="cpu")
         loss, _ = ActorRole._loss(role, policy, (experience, None), step, step.normalizers[0], None, pack)
         loss.backward()
         grads[pack] = {name: p.grad.clone() for name, p in policy.named_parameters()}
-    for name, grad in grads[False].items():
-        torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    for pack in (True, SHARED_PROMPTS):
+        for name, grad in grads[False].items():
+            torch.testing.assert_close(grads[pack][name], grad, rtol=1e-4, atol=1e-5, msg=f"{pack}: {name}")
 
 
 def test_packed_critic_values_equal_padded(tiny_model):

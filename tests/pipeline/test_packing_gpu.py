@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config
+from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config, share_prompts
 from pipeline.packing import plan_packing
 from pipeline.roles.forward import response_logprobs, response_values
 
@@ -155,10 +155,7 @@ def test_shared_prompts_through_flex_attention_match_padded_in_bf16(model, rows)
     from pipeline.packing import SHARED_PROMPTS, pack_shared_prompts
     from pipeline.roles.forward import choose_packing
 
-    ids, mask = rows
-    ids, mask = ids.clone(), mask.clone()
-    for first in range(0, ROWS, 4):   # each group's rows take its first row's prompt
-        ids[first:first + 4, :PROMPT], mask[first:first + 4, :PROMPT] = ids[first, :PROMPT], mask[first, :PROMPT]
+    ids, mask = share_prompts(*rows, PROMPT, 4)
     flex = copy.deepcopy(model).train()
     assert choose_packing(flex, "cuda", True, True) == SHARED_PROMPTS
     assert flex.config._attn_implementation == "flex_attention"

@@ -1,7 +1,7 @@
 """train.share_prompts: rows with the same prompt packed as one sequence (the prompt once,
-then each response), by hand; the mask each response sees; logprobs, entropy and the actor
-loss's gradients equal to the padded rows' on a real tiny model (the dense mask a CPU runs);
-the token counts a budget reads; and where the actor turns it on."""
+then each response), by hand; the mask each response sees; logprobs and entropy equal to the
+padded rows' on a real tiny model (the dense mask a CPU runs; the actor loss's gradients are
+checked in test_packing.py); the token counts a budget reads; and where the actor turns it on."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ import torch
 from pipeline.config import TrainConfig, TrainConfigError, make_train_config
 from pipeline.models import load_causal_lm
 from pipeline.packing import SHARED_PROMPTS, computed_tokens, pack_shared_prompts, prompt_units
-from pipeline.records import Experience
-from pipeline.roles import forward
-from pipeline.roles.actor import ActorRole, PolicyStep
 from pipeline.roles.forward import FLEX_ATTENTION, choose_packing, response_logprobs_and_entropy
 
 PROMPT, RESPONSE = 4, 3
@@ -91,15 +88,6 @@ def _group_rows(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(rows)[order], torch.stack(masks)[order]
 
 
-@pytest.fixture(params=[True, False], ids=["separable", "whole-model"])
-def policy(request, tiny_model, monkeypatch):
-    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 4)   # several chunks, the last short
-    model = load_causal_lm(tiny_model).eval()
-    if not request.param:
-        forward._SEPARABLE[model] = False
-    return model
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompt_logprobs_and_entropy_equal_padded(policy, attention):
     policy.set_attn_implementation(attention)
@@ -111,28 +99,6 @@ def test_shared_prompt_logprobs_and_entropy_equal_padded(policy, attention):
     for name, want, got in zip(("logprobs", "entropy"), padded, shared):
         torch.testing.assert_close(got[response], want[response], rtol=0, atol=1e-5, msg=name)
         assert (got[~response] == 0).all(), name
-
-
-def test_actor_loss_gradients_with_shared_prompts_equal_padded(policy):
-    ids, mask = _group_rows(policy.config.vocab_size, seed=1)
-    response = mask[:, 6:].float()
-    generator = torch.Generator().manual_seed(2)
-    noise = lambda: torch.randn(response.shape, generator=generator) * response  # noqa: E731
-    experience = Experience(input_ids=ids, attention_mask=mask, response_mask=response,
-                            behavior_logprobs=noise() * 0.1 - 2.0, ref_logprobs=noise() * 0.1 - 2.0,
-                            advantages=noise(), returns=noise(), old_values=noise(), prompt_length=6)
-    step = PolicyStep(clip_ratio=0.2, kl_coef_in_loss=0.05, temperature=0.7, micro_batch_size=16, epochs=1,
-                      is_cap=2.0, normalizers=(float(response.sum()),), next_version=1, snapshot_dir="",
-                      entropy_coef=0.01)
-    role = types.SimpleNamespace(device="cpu")
-    grads = {}
-    for pack in (False, SHARED_PROMPTS):
-        policy.zero_grad()
-        loss, _ = ActorRole._loss(role, policy, (experience, None), step, step.normalizers[0], None, pack)
-        loss.backward()
-        grads[pack] = {name: p.grad.clone() for name, p in policy.named_parameters()}
-    for name, grad in grads[False].items():
-        torch.testing.assert_close(grads[SHARED_PROMPTS][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_shared_prompts_apply_on_gpus_with_packing(tiny_model):
