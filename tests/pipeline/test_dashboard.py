@@ -137,6 +137,33 @@ COLUMNS = ("(name => {{ const d = Bokeh.documents[0].get_model_by_name(name).dat
            " for (const k of Object.keys(d)) out[k] = Array.from(d[k]); return out; }})('{}')")
 
 
+async def _crash():  # a coroutine: client.run need not wait for an answer that never comes
+    os._exit(1)  # a worker process dying, as on a segfault or an OOM kill
+
+
+def test_a_worker_lost_without_retiring_is_a_fault_event_naming_it():
+    """A worker process that dies is logged with its name and role; its Nanny restarts it.
+    (Before the watched run: the dashboard pages that run fetches keep refreshing on the
+    scheduler for 15-30 s after, and on two cores this cluster then took 25 s instead of 5.)"""
+    from resources.cluster import RoleCluster
+    from resources.plan import WorkerSpec
+
+    worker = WorkerSpec(name="reward-0", role="reward", device_type="cpu", device_id=None, env=())
+    with RoleCluster([worker], dashboard_address=":0", preload=["pipeline.dashboard"]) as cluster:
+        client = cluster.client
+        client.run(_crash, wait=False)
+
+        def faults(dask_scheduler=None):
+            return [e for e in dask_scheduler.plugins[NAME].events if e["kind"] == "fault"]
+
+        deadline = time.monotonic() + 60
+        while not client.run_on_scheduler(faults) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [fault] = client.run_on_scheduler(faults)
+        assert fault["worker"] == "reward-0" and fault["role"] == "reward"
+        assert fault["reason"].startswith("worker reward-0 left without being retired")
+
+
 @pytest.fixture(scope="module")
 def watched_run(shared_cluster, shared_config, tiny_model, prompts, tmp_path_factory):
     """A 3-step PPO run on the module's cluster while every dashboard route is fetched over and
@@ -417,28 +444,3 @@ def test_metrics_and_the_worker_table_show_gpu_memory_per_role_on_a_gpu(tiny_mod
         assert workers["actor"]["gpu_memory_total"] > workers["actor"]["gpu_memory_used"] > 0
         # The CPU reward worker sees GPU 0 too: Dask's NVML figures are not its memory.
         assert workers["reward"]["gpu_memory_used"] is None and workers["reward"]["gpu_memory_total"] is None
-
-
-async def _crash():  # a coroutine: client.run need not wait for an answer that never comes
-    os._exit(1)  # a worker process dying, as on a segfault or an OOM kill
-
-
-def test_a_worker_lost_without_retiring_is_a_fault_event_naming_it():
-    """A worker process that dies is logged with its name and role; its Nanny restarts it."""
-    from resources.cluster import RoleCluster
-    from resources.plan import WorkerSpec
-
-    worker = WorkerSpec(name="reward-0", role="reward", device_type="cpu", device_id=None, env=())
-    with RoleCluster([worker], dashboard_address=":0", preload=["pipeline.dashboard"]) as cluster:
-        client = cluster.client
-        client.run(_crash, wait=False)
-
-        def faults(dask_scheduler=None):
-            return [e for e in dask_scheduler.plugins[NAME].events if e["kind"] == "fault"]
-
-        deadline = time.monotonic() + 60
-        while not client.run_on_scheduler(faults) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        [fault] = client.run_on_scheduler(faults)
-        assert fault["worker"] == "reward-0" and fault["role"] == "reward"
-        assert fault["reason"].startswith("worker reward-0 left without being retired")
