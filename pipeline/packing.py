@@ -305,7 +305,7 @@ def computed_tokens(batch, packed: bool | str) -> list[int]:
     unit = prompt_units(batch.input_ids, prompts)
     seen: set[int] = set()
     counts = []
-    for row, (u, tokens, prompt) in enumerate(zip(unit.tolist(), real.tolist(), prompts.sum(-1).tolist())):
+    for u, tokens, prompt in zip(unit.tolist(), real.tolist(), prompts.sum(-1).tolist()):
         counts.append(tokens - prompt if u in seen else tokens)
         seen.add(u)
     return counts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -11,6 +12,8 @@ from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
 from pipeline.packing import SHARED_PROMPTS, pack_rows, pack_shared_prompts, response_slots, unpack_responses
 from resources.allocator import free_bytes, in_chunks, rows_per_micro_batch
+
+logger = logging.getLogger("dask_rl")
 
 
 # Response tokens projected onto the vocabulary at once. A (tokens, V) float32 block is what
@@ -23,6 +26,9 @@ LOGIT_CHUNK_TOKENS = 512
 
 # transformers' name of the attention that takes block masks (a group's prompt computed once).
 FLEX_ATTENTION = "flex_attention"
+
+# Models whose architecture transformers cannot run with FlexAttention: they pack rows instead.
+_NO_FLEX: weakref.WeakSet = weakref.WeakSet()
 
 # model -> (rows per chunk that fitted after an out-of-memory error, free bytes then).
 _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -143,10 +149,16 @@ def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> 
     shared and the model can attend with FlexAttention on a GPU (its attention is switched
     to it here), else `pack_sequences`. On a CPU a shared prompt would need a dense mask,
     which computes more pairs than sharing saves, and FlexAttention has no backward there."""
-    if not (pack_sequences and share_prompts and torch.device(device).type == "cuda"):
+    if not (pack_sequences and share_prompts and torch.device(device).type == "cuda") or model in _NO_FLEX:
         return pack_sequences
     if getattr(model.config, "_attn_implementation", None) != FLEX_ATTENTION:
-        model.set_attn_implementation(FLEX_ATTENTION)
+        try:
+            model.set_attn_implementation(FLEX_ATTENTION)
+        except (ValueError, ImportError) as error:   # an architecture without FlexAttention support
+            _NO_FLEX.add(model)
+            logger.warning("dask-rl: train.share_prompts needs FlexAttention, which %s cannot run (%s); the "
+                           "actor packs whole rows instead", type(model).__name__, error)
+            return pack_sequences
     return SHARED_PROMPTS
 
 

@@ -112,6 +112,19 @@ def test_shared_prompts_apply_on_gpus_with_packing(tiny_model):
     assert model.config._attn_implementation == FLEX_ATTENTION          # what the block mask needs
 
 
+def test_an_architecture_without_flex_attention_packs_rows_and_says_why(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    with caplog.at_level("WARNING", logger="dask_rl"):
+        assert choose_packing(model, "cuda", True, True) is True
+        assert choose_packing(model, "cuda", True, True) is True     # asked again: no second warning
+    assert model.config._attn_implementation != FLEX_ATTENTION
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "train.share_prompts needs FlexAttention, which GPT2LMHeadModel cannot run" in warning
+
+
 def test_share_prompts_config():
     assert TrainConfig().share_prompts is False
     assert make_train_config({"share_prompts": True}).share_prompts is True
