@@ -100,7 +100,7 @@ class ActorRole:
         if proximal:   # updates of several optimizer steps score the proximal policy first (_logprobs)
             with torch.no_grad():
                 response_logprobs(model.eval(), ids, mask, prompt, temperature, pack=pack)
-        settle_heap()   # the compiled graphs and their guards live as long as the model
+        settle_heap(thaw=False)   # the compiled graphs and their guards live as long as the model
         seconds = time.perf_counter() - start
         logger.info("dask-rl: actor compiled its update in %.1f s, before its first batch", seconds)
         return seconds

@@ -44,11 +44,12 @@ class RolloutRole:
     def generate(self, request: GenerationRequest) -> Rollout:
         rollout = self.engine.generate(request, self.version)
         # A request that met a slot count for the first time compiled its decode graph: the
-        # objects that keeps alive leave later full garbage collections (host.settle_heap).
+        # objects that keeps alive leave later full garbage collections (host.settle_heap;
+        # nothing was replaced, so the heap frozen before stays frozen).
         met = set(getattr(self.engine, "last_stats", {}).get("step_ms", {}))
         if not met <= self._slot_counts:
             self._slot_counts |= met
-            settle_heap()
+            settle_heap(thaw=False)
         return rollout
 
     def sync(self, handle: weights.WeightHandle | None, snapshot: bytes | None = None) -> None:

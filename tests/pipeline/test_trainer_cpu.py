@@ -189,6 +189,40 @@ def test_settling_the_heap_again_frees_a_frozen_cycle_dropped_since():
         gc.unfreeze()
 
 
+def test_settling_without_thawing_freezes_only_what_is_new():
+    """settle_heap(thaw=False), after a new compiled graph: new garbage is collected and the
+    new survivors frozen, and the heap frozen before is neither walked nor freed (a cycle
+    frozen there and dropped since stays until a thawing settle)."""
+    import gc
+    import weakref
+
+    from pipeline.roles.host import settle_heap
+
+    class Node:
+        pass
+
+    old = Node()
+    old.itself = old     # reference cycles: only the garbage collector frees them
+    alive_old = weakref.ref(old)
+    try:
+        settle_heap()
+        frozen = gc.get_freeze_count()
+        del old
+        new, garbage = Node(), Node()
+        new.itself, garbage.itself = new, garbage
+        alive_garbage = weakref.ref(garbage)
+        del garbage
+        settle_heap(thaw=False)
+        assert alive_garbage() is None                   # new garbage: collected
+        assert alive_old() is not None                   # frozen before: left alone
+        assert gc.get_freeze_count() > frozen            # the new survivors: frozen
+        assert not any(obj is new for obj in gc.get_objects())
+        settle_heap()
+        assert alive_old() is None
+    finally:
+        gc.unfreeze()
+
+
 def _heap_counts(dask_worker=None) -> tuple[int, int]:
     import gc
 
