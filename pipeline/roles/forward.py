@@ -27,7 +27,8 @@ LOGIT_CHUNK_TOKENS = 512
 # transformers' name of the attention that takes block masks (a group's prompt computed once).
 FLEX_ATTENTION = "flex_attention"
 
-# Models whose architecture transformers cannot run with FlexAttention: they pack rows instead.
+# Models that cannot share prompts (no FlexAttention for their architecture, or not on a GPU):
+# they pack whole rows, and the reason is logged once.
 _NO_FLEX: weakref.WeakSet = weakref.WeakSet()
 
 # model -> (rows per chunk that fitted after an out-of-memory error, free bytes then).
@@ -149,7 +150,11 @@ def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> 
     shared and the model can attend with FlexAttention on a GPU (its attention is switched
     to it here), else `pack_sequences`. On a CPU a shared prompt would need a dense mask,
     which computes more pairs than sharing saves, and FlexAttention has no backward there."""
-    if not (pack_sequences and share_prompts and torch.device(device).type == "cuda") or model in _NO_FLEX:
+    if not (pack_sequences and share_prompts) or model in _NO_FLEX:
+        return pack_sequences
+    if torch.device(device).type != "cuda":
+        _NO_FLEX.add(model)
+        logger.info("dask-rl: train.share_prompts applies on GPUs; on %s the actor packs whole rows", device)
         return pack_sequences
     if getattr(model.config, "_attn_implementation", None) != FLEX_ATTENTION:
         try:

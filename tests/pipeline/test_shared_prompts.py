@@ -101,14 +101,19 @@ def test_shared_prompt_logprobs_and_entropy_equal_padded(policy, attention):
         assert (got[~response] == 0).all(), name
 
 
-def test_shared_prompts_apply_on_gpus_with_packing(tiny_model):
+def test_shared_prompts_apply_on_gpus_with_packing(tiny_model, caplog):
     model = load_causal_lm(tiny_model)
     attention = model.config._attn_implementation
-    assert choose_packing(model, "cpu", True, True) is True             # a CPU packs rows
     assert choose_packing(model, "cuda", False, True) is False          # nothing packed: nothing shared
     assert choose_packing(model, "cuda:0", True, False) is True         # turned off
     assert model.config._attn_implementation == attention
     assert choose_packing(model, "cuda:0", True, True) == SHARED_PROMPTS
+    on_cpu = load_causal_lm(tiny_model)
+    with caplog.at_level("INFO", logger="dask_rl"):
+        assert choose_packing(on_cpu, "cpu", True, True) is True        # a CPU packs rows, and says so once
+        assert choose_packing(on_cpu, "cpu", True, True) is True
+    assert [r.getMessage() for r in caplog.records] == [
+        "dask-rl: train.share_prompts applies on GPUs; on cpu the actor packs whole rows"]
     assert model.config._attn_implementation == FLEX_ATTENTION          # what the block mask needs
 
 
