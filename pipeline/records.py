@@ -112,9 +112,25 @@ class Rollout:
         prompt = self.input_ids[row, :self.prompt_length][self.attention_mask[row, :self.prompt_length].bool()]
         return prompt.tolist(), self.responses[row][self.response_mask[row].bool()].tolist()
 
+    def all_token_ids(self) -> tuple[list[list[int]], list[list[int]]]:
+        """token_ids of every row: (prompts, responses), in one pass over the batch."""
+        return (_real_tokens(self.input_ids[:, :self.prompt_length], self.attention_mask[:, :self.prompt_length]),
+                _real_tokens(self.responses, self.response_mask))
+
     def select(self, rows: torch.Tensor) -> Rollout:
         """The rows `rows` (a 1-D index tensor) of every per-sample field."""
         return replace(self, **_rows_of(self, rows))
+
+
+def _real_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's ids where `mask` is set, as lists (one boolean select, one tolist)."""
+    keep = mask.bool()
+    flat = ids[keep].tolist()
+    out, start = [], 0
+    for count in keep.sum(-1).tolist():
+        out.append(flat[start:start + count])
+        start += count
+    return out
 
 
 SHOWN_TEXT = 200  # characters of a prompt or response that a message about a sample shows

@@ -158,10 +158,17 @@ def test_a_bad_reward_marks_its_sample_with_the_texts_and_the_error(tiny_model, 
     assert error in problem.error
 
 
+def test_every_rows_token_ids_in_one_pass_are_each_rows():
+    rollout = hand_rollout()
+    prompts, responses = rollout.all_token_ids()
+    assert list(zip(prompts, responses)) == [rollout.token_ids(row) for row in range(len(rollout))]
+    assert [len(p) for p in prompts] == [2, 4, 1] and [len(r) for r in responses] == [4, 5, 1]
+
+
 def test_prompt_and_response_in_a_problem_are_cut_short(tiny_model):
     rollout = hand_rollout()
     role = RewardRole(tiny_model, function=lambda p, r: None)
-    role.texts = lambda _: (["p" * 5000] * 3, ["r" * 5000] * 3)  # as if the model wrote 5000 characters
+    role._decode = lambda *_: (["p" * 5000] * 3, ["r" * 5000] * 3)  # as if the model wrote 5000 characters
     problem = role.score(rollout).problems[0]
     assert problem.prompt == "p" * 197 + "..." and problem.response == "r" * 197 + "..."
 
