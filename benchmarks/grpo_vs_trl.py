@@ -205,7 +205,19 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                         print(f"  rollout engine, its last request: {engine_seconds[-1]:.2f} s decoding, slot use "
                               f"{slot_use[-1]:.2f}", flush=True)
 
-            trainer.train(args.dask_steps, on_step=on_step_with_slots)
+            if args.driver_profile:   # where the driver's own thread spends a step (waits show as lock acquires)
+                import cProfile
+                import pstats
+
+                with cProfile.Profile() as profile:
+                    trainer.train(args.dask_steps, on_step=on_step_with_slots)
+                with open(args.driver_profile, "w") as out:
+                    stats = pstats.Stats(profile, stream=out)
+                    stats.sort_stats("tottime").print_stats(30)
+                    stats.sort_stats("cumtime").print_stats("pipeline", 40)
+                print(f"dask-rl: the driver's profile is in {args.driver_profile}", flush=True)
+            else:
+                trainer.train(args.dask_steps, on_step=on_step_with_slots)
             roles = {w["address"]: role for role in ("actor", "rollout") for w in trainer.fleet.cluster.workers_of(role)}
             torch_memory = {roles.get(address, address): stats for address, stats in
                             client.run(torch_gpu_memory).items() if stats}
@@ -380,6 +392,9 @@ def main(argv=None) -> int:
                         help="torch threads of the driver process (0: torch's default). On an H100 host the "
                              "fixed batch-256 steps spent 0.13-0.17 s now and then in the driver's wait_scores "
                              "and advantages phases, whose math takes about 1 ms")
+    parser.add_argument("--driver-profile", metavar="PATH",
+                        help="profile the driver process's training thread with cProfile and write the "
+                             "functions with the most time to PATH")
     parser.add_argument("--worker-alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF for dask-rl's worker processes only (e.g. "
                              "expandable_segments:True); TRL's process starts CUDA after it is unset")
