@@ -76,7 +76,7 @@ def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool | 
     """One optimizer step; what it computed and cost."""
     step = PolicyStep(clip_ratio=0.2, kl_coef_in_loss=0.0, temperature=1.0, micro_batch_size=micro_batch_size,
                       epochs=1, is_cap=2.0, normalizers=(float(batch.response_mask.sum()),), next_version=1,
-                      snapshot_dir="", pack_sequences=pack)
+                      snapshot_dir="", pack_sequences=bool(pack))
     role = types.SimpleNamespace(device=trainable.device)
     computed = []
 
