@@ -94,7 +94,7 @@ class TrainConfig:
     # (a GRPO group's samples): one sequence of the prompt and its responses, each response
     # attending to the prompt and itself through a FlexAttention block mask. Off by default:
     # with 128-token prompts and 8 x 256-token responses on an H100 it computed 29% fewer
-    # tokens and the step was no faster (FlexAttention's kernels against flash attention).
+    # tokens and the step was no faster (why is not profiled yet).
     share_prompts: bool = False
     # Actor and critic recompute each transformer block in the backward pass instead of
     # keeping its activations: far less GPU memory for about a third more update compute.
