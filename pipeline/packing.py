@@ -126,26 +126,13 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int
     lengths = mask.sum(-1)
     firsts = mask.int().argmax(-1)        # the first real column of each row (0 for an empty row)
     plan = plan_packing(lengths.tolist(), capacity)
-    starts = [0] * rows
-    fills = []
-    for b, members in enumerate(plan.bins):
-        offset = b * plan.width
-        for row in members:
-            starts[row] = offset
-            offset += plan.lengths[row]
-        fills.append(offset - b * plan.width)
-    starts_t = torch.tensor(starts, device=device)
-    lengths = lengths.to(device)
-    token_row = torch.repeat_interleave(torch.arange(rows, device=device), lengths)
-    within = torch.arange(token_row.numel(), device=device) - (torch.cumsum(lengths, 0) - lengths)[token_row]
+    starts_t, positions = _placement(plan, max(plan.lengths, default=1), device)
+    token_row, within = _spread(lengths.to(device))
     source = token_row * width_in + firsts[token_row] + within
     target = starts_t[token_row] + within
     count = len(plan.bins)
     packed_ids = input_ids.new_full((count * plan.width,), pad_id)
     packed_ids[target] = input_ids.reshape(-1)[source]
-    # Filler slots of bin b sit at columns >= fill_b: arange - fill_b numbers them 0, 1, ...
-    positions = (torch.arange(plan.width, device=device) - torch.tensor(fills, device=device)[:, None])
-    positions = positions.remainder(max(plan.lengths, default=1) or 1).reshape(-1)
     positions[target] = within
     return PackedRows(packed_ids.view(count, plan.width), positions.view(count, plan.width), starts_t, plan)
 
@@ -239,14 +226,8 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     unit_lengths = unit_prompt + torch.zeros(units, dtype=torch.long, device=device).index_add(0, unit, response_tokens)
     plan = plan_packing(unit_lengths.tolist())
     count, width = len(plan.bins), plan.width
-    unit_start, fills = [0] * units, []
-    for b, members in enumerate(plan.bins):
-        offset = b * width
-        for u in members:
-            unit_start[u] = offset
-            offset += plan.lengths[u]
-        fills.append(offset - b * width)
-    unit_start_t = torch.tensor(unit_start, device=device)
+    longest_row = int((prompt_tokens + response_tokens).max()) if rows else 1
+    unit_start_t, positions = _placement(plan, longest_row, device)   # filler: positions rows use
     # Each row's response follows its unit's prompt and the responses of the unit's earlier
     # rows; `rank` numbers the rows of a unit 0, 1, ... (in `order`, by unit then row).
     sorted_units, sorted_lengths = unit[order], response_tokens[order]
@@ -258,15 +239,11 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     rank[order] = torch.arange(rows, device=device) - unit_first
 
     packed_ids = input_ids.new_full((count * width,), pad_id)
-    positions = (torch.arange(width, device=device) - torch.tensor(fills, device=device)[:, None])
-    longest_row = int((prompt_tokens + response_tokens).max()) if rows else 1
-    positions = positions.remainder(max(longest_row, 1)).reshape(-1)   # filler: positions rows use
     unit_map = (units + torch.arange(count, device=device)).repeat_interleave(width)   # filler: a unit per row
     part_map = torch.zeros(count * width, dtype=torch.long, device=device)
     # The prompts, one copy per unit (from its first row).
-    p_row = torch.repeat_interleave(first_of_unit, unit_prompt)
-    p_unit = torch.repeat_interleave(torch.arange(units, device=device), unit_prompt)
-    p_within = torch.arange(p_row.numel(), device=device) - (torch.cumsum(unit_prompt, 0) - unit_prompt)[p_unit]
+    p_unit, p_within = _spread(unit_prompt)
+    p_row = first_of_unit[p_unit]
     p_target = unit_start_t[p_unit] + p_within
     packed_ids[p_target] = input_ids[p_row, prompt_length - unit_prompt[p_unit] + p_within]
     positions[p_target], unit_map[p_target] = p_within, p_unit
@@ -282,6 +259,28 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     shape = (count, width)
     return SharedPromptRows(packed_ids.view(shape), positions.view(shape), unit_map.view(shape),
                             part_map.view(shape), predictors, row_of * response_mask.shape[1] + column, plan)
+
+
+def _placement(plan: PackPlan, longest: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the plan puts each item, as a flat index into its bins x width, and the packed
+    rows' position ids as the filler takes them: after a bin's last item 0, 1, ...,
+    restarting before `longest` (the callers write the items' own positions over theirs)."""
+    starts, fills = [0] * len(plan.lengths), []
+    for b, members in enumerate(plan.bins):
+        offset = b * plan.width
+        for item in members:
+            starts[item] = offset
+            offset += plan.lengths[item]
+        fills.append(offset - b * plan.width)
+    # Filler slots of bin b sit at columns >= fill_b: arange - fill_b numbers them 0, 1, ...
+    positions = torch.arange(plan.width, device=device) - torch.tensor(fills, device=device)[:, None]
+    return torch.tensor(starts, device=device), positions.remainder(max(longest, 1)).reshape(-1)
+
+
+def _spread(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum(lengths),) the owner of each of `lengths`' consecutive elements and its index within it."""
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    return owner, torch.arange(owner.numel(), device=lengths.device) - (torch.cumsum(lengths, 0) - lengths)[owner]
 
 
 def _first_index(sorted_keys: torch.Tensor) -> torch.Tensor:

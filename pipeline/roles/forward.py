@@ -29,7 +29,7 @@ FLEX_ATTENTION = "flex_attention"
 
 # Models that cannot share prompts (no FlexAttention for their architecture, or not on a GPU):
 # they pack whole rows, and the reason is logged once.
-_NO_FLEX: weakref.WeakSet = weakref.WeakSet()
+_NOT_SHARING: weakref.WeakSet = weakref.WeakSet()
 
 # model -> (rows per chunk that fitted after an out-of-memory error, free bytes then).
 _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,17 +150,17 @@ def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> 
     shared and the model can attend with FlexAttention on a GPU (its attention is switched
     to it here), else `pack_sequences`. On a CPU a shared prompt would need a dense mask,
     which computes more pairs than sharing saves, and FlexAttention has no backward there."""
-    if not (pack_sequences and share_prompts) or model in _NO_FLEX:
+    if not (pack_sequences and share_prompts) or model in _NOT_SHARING:
         return pack_sequences
     if torch.device(device).type != "cuda":
-        _NO_FLEX.add(model)
+        _NOT_SHARING.add(model)
         logger.info("dask-rl: train.share_prompts applies on GPUs; on %s the actor packs whole rows", device)
         return pack_sequences
     if getattr(model.config, "_attn_implementation", None) != FLEX_ATTENTION:
         try:
             model.set_attn_implementation(FLEX_ATTENTION)
         except (ValueError, ImportError) as error:   # an architecture without FlexAttention support
-            _NO_FLEX.add(model)
+            _NOT_SHARING.add(model)
             logger.warning("dask-rl: train.share_prompts needs FlexAttention, which %s cannot run (%s); the "
                            "actor packs whole rows instead", type(model).__name__, error)
             return pack_sequences
