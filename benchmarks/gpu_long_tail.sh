@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Long-tail figures on one GPU, each part under its own time limit (seconds, from the *_LIMIT
-# variables): PARTS="start tests engine partial prefill attention profile update updateshared grpo256 grpo256partial grpo256fixed grpo64"
-# (updateshared: the batch-256 fixed-length update with and without train.share_prompts, profiled)
+# variables): PARTS="start tests engine partial prefill attention sharedattention profile update updateshared grpo256 grpo256partial grpo256fixed grpo64"
+# (updateshared: the batch-256 fixed-length update with and without train.share_prompts, profiled;
+# sharedattention: one layer's attention of that update alone, FlexAttention against cuDNN)
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
 # grpo256partial with train.partial_keep_kv; PREFILL_MODES="eager compiled" and LOOKS="lagged
@@ -62,6 +63,7 @@ for p in ${PARTS:-tests engine update}; do
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
         profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} $DECODE ${PROFILE_ARGS:-} ;;
         attention) part attention ${ATTENTION_LIMIT:-150} python3 benchmarks/decode_attention.py ;;
+        sharedattention) part sharedattention ${ATTENTION_LIMIT:-150} python3 benchmarks/shared_attention.py ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
         updateshared) TAIL=${TAIL:-80} part updateshared ${UPDATE_LIMIT:-200} python3 benchmarks/packed_update.py --rows 256 \
                      --samples 8 --max-response 256 --mean-response 1e9 --token-caps --compile-model --share-prompts \

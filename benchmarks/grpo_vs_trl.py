@@ -151,7 +151,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         "actor": {**gpu, "strategy": "none"}, "rollout": rollout,
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True, "gpu_sharing": args.gpu_sharing,
         "comm_backend": "nccl", "timeout_seconds": 600})
-    seconds, tokens, phases, staleness = [], [], [], []
+    seconds, tokens, phases, staleness, step_ends = [], [], [], [], []
     with GpuMemory() as memory:
         start, start_wall = time.perf_counter(), time.time()
         trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
@@ -167,13 +167,14 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         started = time.perf_counter() - start
         print(f"dask-rl: cluster and models ready in {started:.1f} s", flush=True)
 
-        driver_collections: list[float] = []
+        driver_collections: list[tuple[float, float]] = []
         stop_watching = watch_full_collections(driver_collections)
 
         def on_step(record):
-            collected = "".join(f", full GC {pause:.2f}" for pause in driver_collections)
+            collected = "".join(f", full GC {pause:.2f}" for _, pause in driver_collections)
             driver_collections.clear()
             seconds.append(record.seconds)
+            step_ends.append(time.time())
             tokens.append(record.tokens)
             phases.append(record.phases)
             staleness.append(record.staleness)   # partial rollouts trade it for shorter rollouts
@@ -221,10 +222,14 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
             roles = {w["address"]: role for role in ("actor", "rollout") for w in trainer.fleet.cluster.workers_of(role)}
             torch_memory = {roles.get(address, address): stats for address, stats in
                             client.run(torch_gpu_memory).items() if stats}
-            for address, pauses in client.run(worker_collections).items():
+            steady_from = step_ends[args.warmup - 1] if 0 < args.warmup <= len(step_ends) else 0.0
+            for address, collections in client.run(worker_collections).items():
+                pauses = [pause for _, pause in collections]
+                in_steady = [pause for end, pause in collections if end > steady_from]
                 if pauses:
                     print(f"dask-rl {roles.get(address, address)}: {len(pauses)} full garbage collections, "
-                          f"{sum(pauses):.2f} s in all, longest {max(pauses):.2f} s", flush=True)
+                          f"{sum(pauses):.2f} s in all, longest {max(pauses):.2f} s; in the steady steps "
+                          f"{len(in_steady)}, {sum(in_steady):.2f} s", flush=True)
         finally:
             stop_watching()   # TRL's part runs in this process next
             trainer.close()
@@ -289,16 +294,16 @@ def torch_gpu_memory() -> dict | None:
 
 
 def watch_full_collections(pauses: list) -> Callable[[], None]:
-    """Append each full (generation-2) garbage collection's seconds in this process to
-    `pauses`: one walks every object, ~0.2 s with torch and transformers imported, so a pause
-    of that size in a step's phase may be one. Returns what stops it."""
+    """Append (wall-clock end, seconds) of each full (generation-2) garbage collection in this
+    process to `pauses`: one walks every object, ~0.2 s with torch and transformers imported,
+    so a pause of that size in a step's phase may be one. Returns what stops it."""
     began = [0.0]
 
     def record(phase, info):
         if phase == "start":
             began[0] = time.perf_counter()
         elif info["generation"] == 2:
-            pauses.append(time.perf_counter() - began[0])
+            pauses.append((time.time(), time.perf_counter() - began[0]))
     gc.callbacks.append(record)
     return lambda: gc.callbacks.remove(record)
 
@@ -308,7 +313,7 @@ def watch_worker_collections(dask_worker=None) -> None:
     watch_full_collections(dask_worker.full_collections)
 
 
-def worker_collections(dask_worker=None) -> list[float]:
+def worker_collections(dask_worker=None) -> list[tuple[float, float]]:
     return list(getattr(dask_worker, "full_collections", []))
 
 
