@@ -24,10 +24,8 @@ logger = logging.getLogger("dask_rl")
 # step time (benchmarks/gpu_memory_variants.sh).
 LOGIT_CHUNK_TOKENS = 512
 
-# transformers' name of the attention that takes block masks (a group's prompt computed once),
-# and the name this project registers for its own call of it (shared_prompt_attention).
+# transformers' name of the attention that takes block masks (a group's prompt computed once).
 FLEX_ATTENTION = "flex_attention"
-SHARED_PROMPT_ATTENTION = "dask_rl_shared_prompts"
 
 # Models that cannot share prompts (no FlexAttention for their architecture, or not on a GPU):
 # they pack whole rows, and the reason is logged once.
@@ -150,56 +148,23 @@ def _packed_scores(model, separable: bool, project, input_ids, attention_mask, p
 def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> bool | str:
     """The packing of `model`'s forwards on `device`: SHARED_PROMPTS where prompts are to be
     shared and the model can attend with FlexAttention on a GPU (its attention is switched
-    to shared_prompt_attention here), else `pack_sequences`. On a CPU a shared prompt would
-    need a dense mask, which computes more pairs than sharing saves, and FlexAttention has no
-    backward there."""
+    to it here), else `pack_sequences`. On a CPU a shared prompt would need a dense mask,
+    which computes more pairs than sharing saves, and FlexAttention has no backward there."""
     if not (pack_sequences and share_prompts) or model in _NOT_SHARING:
         return pack_sequences
     if torch.device(device).type != "cuda":
         _NOT_SHARING.add(model)
         logger.info("dask-rl: train.share_prompts applies on GPUs; on %s the actor packs whole rows", device)
         return pack_sequences
-    if getattr(model.config, "_attn_implementation", None) != SHARED_PROMPT_ATTENTION:
-        try:   # transformers refuses FlexAttention for an architecture that cannot take it
+    if getattr(model.config, "_attn_implementation", None) != FLEX_ATTENTION:
+        try:
             model.set_attn_implementation(FLEX_ATTENTION)
-        except (ValueError, ImportError) as error:
+        except (ValueError, ImportError) as error:   # an architecture without FlexAttention support
             _NOT_SHARING.add(model)
             logger.warning("dask-rl: train.share_prompts needs FlexAttention, which %s cannot run (%s); the "
                            "actor packs whole rows instead", type(model).__name__, error)
             return pack_sequences
-        _register_shared_prompt_attention()
-        model.set_attn_implementation(SHARED_PROMPT_ATTENTION)
     return SHARED_PROMPTS
-
-
-def _register_shared_prompt_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
-
-    AttentionInterface.register(SHARED_PROMPT_ATTENTION, shared_prompt_attention)
-    # A forward given a 2-D padding mask (the compile warm-up's) gets a block mask made as for FlexAttention.
-    AttentionMaskInterface.register(SHARED_PROMPT_ATTENTION, flex_attention_mask)
-
-
-_compiled_flex = None   # flex_attention compiled once, for calls from code that is not being compiled
-
-
-def shared_prompt_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers' attention-function contract: (B, Hq, T, D) queries and (B, Hkv, T, D)
-    keys/values over a block mask -> ((B, T, Hq, D) output, None). FlexAttention reads each
-    key/value head once for its group of query heads (enable_gqa). transformers' own call
-    repeats the key/value heads first whenever the query heads are not a power of two
-    (Qwen2-0.5B's 14: 7 copies of every key and value block read)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if torch.compiler.is_compiling():   # inside a compiled block: traced into its graph
-        attend = flex_attention
-    else:
-        attend = _compiled_flex = _compiled_flex or torch.compile(flex_attention)
-    output = attend(query, key, value, block_mask=attention_mask, scale=scaling,
-                    enable_gqa=query.shape[1] != key.shape[1])
-    return output.transpose(1, 2).contiguous(), None
 
 
 def shared_prompt_inputs(model, shared) -> dict:
@@ -207,7 +172,7 @@ def shared_prompt_inputs(model, shared) -> dict:
     block mask where the model attends with FlexAttention (blocks of pairs no query sees are
     skipped), else a dense additive mask, exact with any attention but computing every pair."""
     rows, width = shared.input_ids.shape
-    if getattr(model.config, "_attn_implementation", None) == SHARED_PROMPT_ATTENTION:
+    if getattr(model.config, "_attn_implementation", None) == FLEX_ATTENTION:
         from torch.nn.attention.flex_attention import create_block_mask
 
         def visible(row, head, query, key):   # a plain function: FlexAttention reads its arity

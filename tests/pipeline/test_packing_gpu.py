@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config, share_prompts
 from pipeline.packing import plan_packing
-from pipeline.roles.forward import SHARED_PROMPT_ATTENTION, response_logprobs, response_values
+from pipeline.roles.forward import response_logprobs, response_values
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -158,7 +158,7 @@ def test_shared_prompts_through_flex_attention_match_padded_in_bf16(model, rows)
     ids, mask = share_prompts(*rows, PROMPT, 4)
     flex = copy.deepcopy(model).train()
     assert choose_packing(flex, "cuda", True, True) == SHARED_PROMPTS
-    assert flex.config._attn_implementation == SHARED_PROMPT_ATTENTION
+    assert flex.config._attn_implementation == "flex_attention"
     padded_model = copy.deepcopy(model).train()
     chunk = slice(0, 8)
     real = mask[chunk, PROMPT:].bool()

@@ -5,7 +5,6 @@ checked in test_packing.py); the token counts a budget reads; and where the acto
 
 from __future__ import annotations
 
-import copy
 import types
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from pipeline.config import TrainConfig, TrainConfigError, make_train_config
 from pipeline.models import load_causal_lm
 from pipeline.packing import SHARED_PROMPTS, computed_tokens, pack_shared_prompts, prompt_units
-from pipeline.roles.forward import SHARED_PROMPT_ATTENTION, choose_packing, response_logprobs_and_entropy
+from pipeline.roles.forward import FLEX_ATTENTION, choose_packing, response_logprobs_and_entropy
 
 PROMPT, RESPONSE = 4, 3
 
@@ -102,25 +101,6 @@ def test_shared_prompt_logprobs_and_entropy_equal_padded(policy, attention):
         assert (got[~response] == 0).all(), name
 
 
-@pytest.mark.slow   # compiling FlexAttention for the CPU takes ~9 s of a 2-core machine; the GPU test runs it too
-def test_shared_prompt_attention_equals_padded(policy):
-    """The attention the actor switches to for shared prompts (FlexAttention over the block
-    mask, each key/value head read for its group of query heads: the tiny model has two a
-    group), run here on the CPU without gradients (FlexAttention has no backward there)."""
-    model = copy.deepcopy(policy)
-    model.set_attn_implementation("sdpa")
-    assert model.config.num_attention_heads != model.config.num_key_value_heads
-    ids, mask = _group_rows(model.config.vocab_size)
-    response = mask[:, 6:].bool()
-    with torch.no_grad():
-        padded = response_logprobs_and_entropy(model, ids, mask, 6, 0.7, entropy_grad=False)
-        assert choose_packing(model, "cuda", True, True) == SHARED_PROMPTS   # the switch a GPU actor makes
-        assert model.config._attn_implementation == SHARED_PROMPT_ATTENTION
-        shared = response_logprobs_and_entropy(model, ids, mask, 6, 0.7, entropy_grad=False, pack=SHARED_PROMPTS)
-    for name, want, got in zip(("logprobs", "entropy"), padded, shared):
-        torch.testing.assert_close(got[response], want[response], rtol=0, atol=1e-5, msg=name)
-
-
 def test_shared_prompts_apply_on_gpus_with_packing(tiny_model, caplog):
     model = load_causal_lm(tiny_model)
     attention = model.config._attn_implementation
@@ -134,7 +114,7 @@ def test_shared_prompts_apply_on_gpus_with_packing(tiny_model, caplog):
         assert choose_packing(on_cpu, "cpu", True, True) is True
     assert [r.getMessage() for r in caplog.records] == [
         "dask-rl: train.share_prompts applies on GPUs; on cpu the actor packs whole rows"]
-    assert model.config._attn_implementation == SHARED_PROMPT_ATTENTION  # what takes the block mask
+    assert model.config._attn_implementation == FLEX_ATTENTION          # what the block mask needs
 
 
 def test_an_architecture_without_flex_attention_packs_rows_and_says_why(caplog):
@@ -145,7 +125,7 @@ def test_an_architecture_without_flex_attention_packs_rows_and_says_why(caplog):
     with caplog.at_level("WARNING", logger="dask_rl"):
         assert choose_packing(model, "cuda", True, True) is True
         assert choose_packing(model, "cuda", True, True) is True     # asked again: no second warning
-    assert model.config._attn_implementation != SHARED_PROMPT_ATTENTION
+    assert model.config._attn_implementation != FLEX_ATTENTION
     [warning] = [r.getMessage() for r in caplog.records]
     assert "train.share_prompts needs FlexAttention, which GPT2LMHeadModel cannot run" in warning
 
