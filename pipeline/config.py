@@ -94,7 +94,8 @@ class TrainConfig:
     # (a GRPO group's samples): one sequence of the prompt and its responses, each response
     # attending to the prompt and itself through a FlexAttention block mask. Off by default:
     # with 128-token prompts and 8 x 256-token responses it computes 27% fewer tokens, but the
-    # update on an H200 was only 6% faster, the attention costing most of the difference.
+    # update on an H200 was only 6% faster: FlexAttention costs 2-3x cuDNN's attention over
+    # the whole rows (benchmarks/shared_attention.py).
     share_prompts: bool = False
     # Actor and critic recompute each transformer block in the backward pass instead of
     # keeping its activations: far less GPU memory for about a third more update compute.
