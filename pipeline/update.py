@@ -161,6 +161,6 @@ class PolicyUpdate:
         workers = self.fleet.rank_workers(role)
         rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches, role)
         groups = self.fleet.rank_groups(role, workers)
-        return workers, [self.fleet.submit(role, fn, [experience.select(r) for r in rows[rank]], groups[rank], step,
-                                           tag=f"{self.fleet.version}-r{rank}", workers=[address])
+        return workers, [self.fleet.submit(role, fn, self.fleet.place([experience.select(r) for r in rows[rank]], address),
+                                           groups[rank], step, tag=f"{self.fleet.version}-r{rank}", workers=[address])
                          for rank, address in enumerate(workers)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import CancelledError
 from typing import Iterable
 
 from distributed import Client, Future, wait
@@ -73,6 +74,10 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
         if failed:
             client.cancel(pending)
             failed[0].result()
+        # Dask cancels a task whose inputs were scattered to a worker that died (Fleet.place).
+        cancelled = [f for f in futures if f.status == "cancelled"]
+        if cancelled and pinned:
+            _raise_if_pinned_worker_gone(client, cancelled + pending, pinned, role, what, settle=5.0)
         if not pending:
             # Not client.gather: when the worker holding a result dies before it is fetched,
             # Dask reschedules the task, and a task pinned to that worker would make gather
@@ -94,6 +99,8 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
             raise RoleTimeout(_describe_stuck(client, pending, role, what, timeout))
         try:
             wait(pending, timeout=min(remaining, 1.0 if pinned else 5.0), return_when="FIRST_COMPLETED")
+        except CancelledError:   # one was cancelled while waited for: the checks above say why
+            continue
         except TimeoutError:
             if not warned and not role_addresses(client, role):
                 logger.warning("dask-rl: %s has no live worker; waiting up to %.0fs for a replacement "
@@ -105,13 +112,20 @@ def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, t
 
 
 def _raise_if_pinned_worker_gone(client: Client, pending: list[Future], pinned: dict[str, tuple[str, ...]],
-                                 role: str, what: str) -> None:
+                                 role: str, what: str, settle: float = 0.0) -> None:
+    """WorkerLost if a worker a task of `pending` is pinned to has left. `settle`: seconds to
+    give the scheduler's list of workers to catch up with a loss it has already acted on."""
     stuck = [f for f in pending if f.key in pinned]
     if not stuck:
         return
-    live = set(live_workers(client))
-    gone = sorted({address for f in stuck for address in pinned[f.key]
-                   if not any(a in live for a in pinned[f.key])})
+    deadline = time.monotonic() + settle
+    while True:
+        live = set(live_workers(client))
+        gone = sorted({address for f in stuck for address in pinned[f.key]
+                       if not any(a in live for a in pinned[f.key])})
+        if gone or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if gone:
         client.cancel(pending)
         raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster during {what}; its task was pinned "

@@ -168,6 +168,30 @@ def test_a_result_lost_with_its_pinned_worker_ends_the_wait_at_once(judges):
     assert time.monotonic() - start < 10
 
 
+def _slow_sum(values: list, seconds: float = 5.0) -> int:
+    time.sleep(seconds)
+    return sum(values)
+
+
+def test_a_task_whose_scattered_input_died_with_its_worker_ends_the_wait_at_once(judges):
+    """The update's rows reach its rank's worker ahead of the task (Fleet.place, scattered).
+    When that worker dies the input cannot be recomputed, so Dask cancels the task: the wait
+    names the worker (the update's redo path reads WorkerLost) instead of failing on a
+    cancelled future or waiting out timeout_seconds."""
+    target = sorted(judges.scheduler_info()["workers"])[0]
+    [values] = judges.scatter([[1, 2, 3]], workers=[target], hash=False)
+    future = submit(judges, "judge", _slow_sum, values, tag="scattered", workers=[target])
+    deadline = time.monotonic() + 30
+    while future.key not in judges.processing().get(target, ()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(judges.run(os.getpid, workers=[target])[target], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match=f"worker {target} left the cluster during verdicts"):
+        wait_role(judges, [future], "judge", "verdicts", timeout=60, pinned={future.key: (target,)})
+    assert time.monotonic() - start < 10
+    assert future.status == "cancelled"
+
+
 def test_a_lost_result_that_may_run_elsewhere_is_computed_again(judges):
     future = submit(judges, "judge", sum, [3, 4], tag="free")
     _lose_a_finished_result(judges, future)
