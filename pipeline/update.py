@@ -161,6 +161,8 @@ class PolicyUpdate:
         workers = self.fleet.rank_workers(role)
         rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches, role)
         groups = self.fleet.rank_groups(role, workers)
-        return workers, [self.fleet.submit(role, fn, self.fleet.place([experience.select(r) for r in rows[rank]], address),
-                                           groups[rank], step, tag=f"{self.fleet.version}-r{rank}", workers=[address])
+        tags = [f"{self.fleet.version}-r{rank}" for rank in range(len(workers))]
+        shards = [self.fleet.place(role, fn, [experience.select(r) for r in rows[rank]], address, tag=tags[rank])
+                  for rank, address in enumerate(workers)]
+        return workers, [self.fleet.submit(role, fn, shards[rank], groups[rank], step, tag=tags[rank], workers=[address])
                          for rank, address in enumerate(workers)]

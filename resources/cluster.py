@@ -104,11 +104,17 @@ def role_addresses(client: Client, role: str) -> list[str]:
     return [w["address"] for w in role_workers(client, role)]
 
 
+def task_key(role: str, fn: Callable, tag: str = "") -> str:
+    """`role-fn-tag-xxxxxxxx`: the dashboard groups keys by the words before the first that
+    is not a name (here `role-fn`), so its task views group and colour by role and function."""
+    return f"{role}-{fn.__name__.replace('_', '-')}-{tag}-{uuid.uuid4().hex[:8]}"
+
+
 def submit(client: Client, role: str, fn: Callable, *args: Any, tag: str = "",
            workers: list[str] | None = None, **kwargs: Any) -> Future:
     """Run `fn(*args)` on a worker carrying `role`; the key reads `role-fn-tag-xxxxxxxx`
     so the dashboard groups and colours tasks by role and function."""
-    key = f"{role}-{fn.__name__.replace('_', '-')}-{tag}-{uuid.uuid4().hex[:8]}"
+    key = task_key(role, fn, tag)
     return client.submit(fn, *args, key=key, resources={role: 1}, pure=False, workers=workers,
                          allow_other_workers=False, **kwargs)
 

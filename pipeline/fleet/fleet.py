@@ -31,7 +31,7 @@ from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
 from pipeline.fleet.routes import WeightRoutes
 from pipeline.fleet.scaling import start_adaptive
-from pipeline.fleet.tasks import RoleTimeout, SchedulerLost, WorkerLost, scheduler_lost, submit, wait_role
+from pipeline.fleet.tasks import RoleTimeout, SchedulerLost, WorkerLost, scheduler_lost, submit, task_key, wait_role
 from pipeline.roles import rollout
 from pipeline.roles.host import WORKER_IMPORTS, RoleHost, plugin_name, role_ready
 from pipeline.roles.saved_state import Recovery, recovery_path
@@ -143,14 +143,18 @@ class Fleet:
             self._pinned[future.key] = tuple(workers)
         return future
 
-    def place(self, data: list, address: str) -> list:
-        """Futures of `data`'s items, held on the worker at `address` for a task pinned there.
-        They travel from the driver to that worker directly instead of inside the task through
-        the scheduler, which would unpickle and forward them (a batch of long responses is tens
-        of MiB a step: 20 MiB took 0.20 s to reach a local worker that way, 0.03 s scattered, on
-        a 2-core host, benchmarks/task_inputs.py). Lost with that worker, as the task is: Dask
-        cancels the task, and the wait reports the worker lost (fleet/tasks.py)."""
-        return self.client.scatter(data, workers=[address], hash=False)
+    def place(self, role: str, fn: Callable, data: list, address: str, tag: str = "") -> list:
+        """Futures of `data`'s items, held on the worker at `address` for the task `fn` of
+        `role` pinned there. They travel from the driver to that worker directly instead of
+        inside the task through the scheduler, which would unpickle and forward them (a batch
+        of long responses is tens of MiB a step: 20 MiB took 0.20 s to reach a local worker
+        that way, 0.03 s scattered, on a 2-core host, benchmarks/task_inputs.py). Their keys
+        fall in the task's own group (`role-fn`): the dashboard's task-group graph fails on a
+        dependency group that is forgotten before its dependents. Lost with that worker, as
+        the task is: Dask cancels the task, and the wait reports the worker lost."""
+        keys = [f"{task_key(role, fn, tag)}-input{i}" for i in range(len(data))]
+        placed = self.client.scatter(dict(zip(keys, data)), workers=[address])
+        return [placed[key] for key in keys]
 
     def wait(self, role: str, futures: list, what: str) -> list:
         """Results, or RoleTimeout after the timeout, or WorkerLost as soon as a worker a task

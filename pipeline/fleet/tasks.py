@@ -13,7 +13,7 @@ from pipeline import events
 
 # submit lives with the role-tagged workers it targets, so that pipeline.roles.sync can use it
 # without importing this driver-side module; the driver modules keep importing it from here.
-from resources.cluster import live_workers, role_addresses, submit  # noqa: F401
+from resources.cluster import live_workers, role_addresses, submit, task_key  # noqa: F401
 
 
 logger = logging.getLogger("dask_rl")
