@@ -206,7 +206,6 @@ def test_settling_without_thawing_freezes_only_what_is_new():
     alive_old = weakref.ref(old)
     try:
         settle_heap()
-        frozen = gc.get_freeze_count()
         del old
         new, garbage = Node(), Node()
         new.itself, garbage.itself = new, garbage
@@ -215,7 +214,9 @@ def test_settling_without_thawing_freezes_only_what_is_new():
         settle_heap(thaw=False)
         assert alive_garbage() is None                   # new garbage: collected
         assert alive_old() is not None                   # frozen before: left alone
-        assert gc.get_freeze_count() > frozen            # the new survivors: frozen
+        # The new survivors: frozen (out of the collected generations). Not read from the
+        # freeze count: other threads of this process (earlier tests' clients) free frozen
+        # objects by reference counting meanwhile, so the count can fall.
         assert not any(obj is new for obj in gc.get_objects())
         settle_heap()
         assert alive_old() is None
