@@ -62,7 +62,8 @@ class PolicyUpdate:
                 self.fleet.free_survivors(error.role)
                 self.fleet.await_replacements(error.role)
             except Exception as error:
-                # A member that died as its group formed was never a member the fleet lists.
+                # A member that died as its group formed (or as its rows were sent) was never a
+                # member the fleet lists, and a loss a wait saw first may not be listed yet.
                 forming = [error.role] if isinstance(error, WorkerLost) and error.role else []
                 lost = self._lost_roles() or forming
                 if redone_loss or not lost:

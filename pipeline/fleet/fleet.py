@@ -153,7 +153,13 @@ class Fleet:
         dependency group that is forgotten before its dependents. Lost with that worker, as
         the task is: Dask cancels the task, and the wait reports the worker lost."""
         keys = [f"{task_key(role, fn, tag)}-input{i}" for i in range(len(data))]
-        placed = self.client.scatter(dict(zip(keys, data)), workers=[address])
+        try:
+            placed = self.client.scatter(dict(zip(keys, data)), workers=[address])
+        except OSError as error:   # the worker died as the rows were sent (a closed comm)
+            if not self._departed(role, [address]):
+                raise
+            raise WorkerLost(f"{role}: worker {address} left the cluster while the update's rows were sent to it",
+                             role=role) from error
         return [placed[key] for key in keys]
 
     def wait(self, role: str, futures: list, what: str) -> list:

@@ -129,7 +129,7 @@ def _raise_if_pinned_worker_gone(client: Client, pending: list[Future], pinned: 
     if gone:
         client.cancel(pending)
         raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster during {what}; its task was pinned "
-                         f"there and cannot run elsewhere")
+                         f"there and cannot run elsewhere", role=role)
 
 
 def _describe_stuck(client: Client, pending, role: str, what: str, timeout: float) -> str:
