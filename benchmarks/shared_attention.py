@@ -14,7 +14,11 @@ heads, head size 64, bf16), forward and backward, milliseconds of GPU time a cal
   transformers' FlexAttention integration does when the query heads are not a power of two
   (Qwen2-0.5B's 14);
 - sdpa whole rows: each row of 384 tokens on its own, causal (what packing whole rows costs
-  at best: no mask, no row attends to another).
+  at best: no mask, no row attends to another);
+- sdpa, prompts once, then responses: the shared prompt's attention in ordinary kernels,
+  each prompt on its own (causal), then each response's queries over its prompt's keys and
+  its own (causal from the bottom right); the gather of a prompt's keys for each response is
+  left out.
 
     python benchmarks/shared_attention.py --groups 11      # < 1 minute on an H100
 """
@@ -50,17 +54,20 @@ def gpu_ms(function, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def forward_and_backward(attend, q, k, v) -> tuple[float, float] | str:
-    """(forward ms, forward + backward ms) of attend(q, k, v), or why it failed."""
+def forward_and_backward(attend, *inputs) -> tuple[float, float] | str:
+    """(forward ms, forward + backward ms) of attend(*inputs), or why it failed."""
     try:
-        return _forward_and_backward(attend, q, k, v)
+        return _forward_and_backward(attend, *inputs)
     except Exception as error:   # a way the kernel refuses is a finding too: print it, time the rest
         return f"{type(error).__name__}: {str(error).splitlines()[0][:150]}"
 
 
-def _forward_and_backward(attend, q, k, v) -> tuple[float, float]:
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    grad = torch.randn_like(q)
+def _forward_and_backward(attend, *inputs) -> tuple[float, float]:
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    with torch.no_grad():
+        outputs = attend(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    grads = [torch.randn_like(out) for out in outputs]
 
     def forward():
         with torch.no_grad():
@@ -68,11 +75,25 @@ def _forward_and_backward(attend, q, k, v) -> tuple[float, float]:
 
     def both():
         out = attend(*leaves)
-        out.backward(grad)
+        torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
         for leaf in leaves:
             leaf.grad = None
 
     return gpu_ms(forward), gpu_ms(both)
+
+
+def prompts_then_responses(prompt_q, prompt_k, prompt_v, response_q, response_k, response_v):
+    """Each prompt once (causal), then each response's queries over its prompt's keys and
+    its own (causal from the bottom right: query i sees the prompt and responses 0..i)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    groups = response_q.shape[2], response_k.shape[2]
+    repeat = HEADS // KV_HEADS
+    prompts = F.scaled_dot_product_attention(prompt_q, prompt_k, prompt_v, is_causal=True, enable_gqa=True)
+    responses = F.scaled_dot_product_attention(response_q, response_k.repeat_interleave(repeat, 1),
+                                               response_v.repeat_interleave(repeat, 1),
+                                               attn_mask=causal_lower_right(*groups))
+    return prompts, responses
 
 
 def main(argv=None) -> None:
@@ -122,6 +143,12 @@ def main(argv=None) -> None:
     rq, rk, rv = tensors(rows, whole, HEADS), tensors(rows, whole, KV_HEADS), tensors(rows, whole, KV_HEADS)
     results["sdpa whole rows (causal)"] = forward_and_backward(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), rq, rk, rv)
+    # The same attention in ordinary kernels: the prompts once, then the responses' queries
+    # over keys of their prompt (gathered per response: not timed here) and their own.
+    pq, pk, pv = (tensors(args.groups, args.prompt, heads) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    aq = tensors(rows, args.response, HEADS)
+    ak, av = tensors(rows, whole, KV_HEADS), tensors(rows, whole, KV_HEADS)
+    results["sdpa, prompts once, then responses"] = forward_and_backward(prompts_then_responses, pq, pk, pv, aq, ak, av)
     print(f"{'':40} {'forward ms':>11} {'forward + backward ms':>22}")
     for name, result in results.items():
         print(f"{name:40} {result}" if isinstance(result, str) else f"{name:40} {result[0]:11.3f} {result[1]:22.3f}")
