@@ -112,8 +112,7 @@ def task_key(role: str, fn: Callable, tag: str = "") -> str:
 
 def submit(client: Client, role: str, fn: Callable, *args: Any, tag: str = "",
            workers: list[str] | None = None, **kwargs: Any) -> Future:
-    """Run `fn(*args)` on a worker carrying `role`; the key reads `role-fn-tag-xxxxxxxx`
-    so the dashboard groups and colours tasks by role and function."""
+    """Run `fn(*args)` on a worker carrying `role`, keyed by task_key."""
     key = task_key(role, fn, tag)
     return client.submit(fn, *args, key=key, resources={role: 1}, pure=False, workers=workers,
                          allow_other_workers=False, **kwargs)
