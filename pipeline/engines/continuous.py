@@ -62,6 +62,12 @@ LAGGED_LOOKS = True
 # each further slot count is one more graph to compile, 10-30 s that a partial run met in
 # the middle of its training whenever a tail first got that short.
 FEWEST_CAPTURED_SLOTS = 32
+# Tokens one prefill pass holds at most. A pass's activations are freed after it, but the
+# caching allocator keeps the memory they took reserved for the process, away from the roles
+# beside it on the GPU: a layer's MLP over 32 768 prompt tokens (256 slots x 128, the
+# 0.5B shape) is 1.0 GB at once, over 8192 tokens 0.24 GB. A pass of 8192 tokens is still
+# wide enough for full-size matrix products; a batch of 256 prompts then prefills in four.
+PREFILL_PASS_TOKENS = 8192
 
 
 def bucket_batch(rows: int) -> int:
@@ -103,10 +109,11 @@ class SlotRun:
         self.check_every = engine.check_every or (EOS_CHECK_EVERY if self.on_cuda else 1)
         self.stats = {"slots": slots}
         # The most tokens (rows x padded width) one prefill pass holds: what the engine's
-        # memory plan counted for the request's prompts. A partial rollout's first refill can
-        # hold a hundred carried rows of 1152 tokens, whose activations in one pass would be
-        # several GiB beyond the plan; in passes of this size they stay within it.
-        self.prefill_budget = slots * width
+        # memory plan counted for the request's prompts, and at most PREFILL_PASS_TOKENS. A
+        # partial rollout's first refill can hold a hundred carried rows of 1152 tokens, whose
+        # activations in one pass would be several GiB beyond the plan; in passes of this size
+        # they stay within it.
+        self.prefill_budget = min(slots * width, PREFILL_PASS_TOKENS)
         # Where a request's time goes besides decode steps: its prefill passes (tokens with
         # padding and without, device time from CUDA events, which need no sync) and the host
         # work at sync points, during which the device waits.

@@ -203,6 +203,24 @@ def test_acting_on_the_last_look_serves_the_same_sequences(model_and_tokenizer, 
     assert steps[False] <= steps[True] <= steps[False] * 1.3, steps
 
 
+def test_prefill_passes_hold_at_most_prefill_pass_tokens(model_and_tokenizer, monkeypatch):
+    """A request whose prompts fill more than PREFILL_PASS_TOKENS prefills in several passes
+    (the memory a pass takes stays reserved), with the same sequences as in one pass."""
+    model, tokenizer = model_and_tokenizer
+    request = _request(tokenizer, prompts=8, samples=2, new_tokens=6)
+    rollouts, passes = [], []
+    for cap in (10_000, 2 * 16):   # all 16 prompts (16-token bucket) in one pass; two rows a pass
+        monkeypatch.setattr(continuous, "PREFILL_PASS_TOKENS", cap)
+        engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
+                                 max_batch_size=16, prompt_bucket=16)
+        rollouts.append(engine.generate(request, policy_version=0))
+        passes.append(engine.last_stats["prefill_passes"])
+        assert engine.last_stats["prefill_tokens"] <= passes[-1] * cap
+    assert passes == [1, 8]
+    assert torch.equal(rollouts[0].input_ids, rollouts[1].input_ids)
+    torch.testing.assert_close(rollouts[1].behavior_logprobs, rollouts[0].behavior_logprobs, atol=2e-5, rtol=0)
+
+
 def test_the_decode_kernel_leaves_a_cpu_engine_on_sdpa(model_and_tokenizer):
     """decode_attention "kernel" (the default): a CPU engine finds the Triton kernel unusable
     (no CUDA) and samples exactly what it samples with "sdpa"."""
