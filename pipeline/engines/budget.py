@@ -3,7 +3,9 @@
 The rollout engines ask before every request (the memory another process or a co-located
 role holds changes while a run goes on), so a GPU that fills up shrinks the next batch
 instead of failing it. The estimate is the KV cache of a sequence at its full length plus
-the decode step's per-sequence workspace; an out-of-memory error is still caught and
+the decode step's per-sequence workspace, and the prefill's activations: every prompt's for
+an engine that prefills a batch at once, one pass's for the cuda_graph engine, which
+prefills a pass at a time (fitting_slots); an out-of-memory error is still caught and
 halves the batch (resources.allocator.in_chunks), so a low estimate costs one retry.
 """
 
@@ -39,20 +41,29 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 def sequence_bytes(config, dtype: torch.dtype, prompt_length: int, length: int, cache_copies: int = 1) -> int:
-    """Peak bytes one sequence needs while it is generated to `length` tokens.
+    """Peak bytes one sequence needs while it is generated to `length` tokens: what it holds
+    (held_bytes) and its prompt's prefill (prefill_bytes), for an engine that prefills every
+    prompt of a batch at once."""
+    return held_bytes(config, dtype, length, cache_copies) + prefill_bytes(config, dtype, prompt_length)
 
-    `cache_copies`: 1 for a preallocated cache; 2 for one that grows by concatenation
-    (transformers' dynamic cache holds the old and the new tensor for a moment). The
-    prefill term is one layer's activations over the prompt plus its attention scores
-    (the eager worst case), freed layer by layer.
-    """
+
+def held_bytes(config, dtype: torch.dtype, length: int, cache_copies: int = 1) -> int:
+    """Bytes a sequence holds while it is generated to `length` tokens: its KV cache and its
+    share of the sampling workspace. `cache_copies`: 1 for a preallocated cache; 2 for one
+    that grows by concatenation (transformers' dynamic cache holds the old and the new
+    tensor for a moment)."""
+    sampling = SAMPLING_COPIES * 4 * _text_config(config).vocab_size
+    return cache_copies * kv_bytes_per_token(config, dtype) * length + sampling
+
+
+def prefill_bytes(config, dtype: torch.dtype, prompt_length: int) -> int:
+    """A prompt's share of its prefill pass: one layer's activations over the prompt plus
+    its attention scores (the eager worst case), freed layer by layer."""
     text = _text_config(config)
     size = torch.empty((), dtype=dtype).element_size()
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    prefill = prompt_length * (3 * intermediate + 4 * text.hidden_size) * size \
+    return prompt_length * (3 * intermediate + 4 * text.hidden_size) * size \
         + text.num_attention_heads * prompt_length * prompt_length * 4
-    sampling = SAMPLING_COPIES * 4 * text.vocab_size
-    return cache_copies * kv_bytes_per_token(config, dtype) * length + prefill + sampling
 
 
 def fitting_rows(free: int | None, per_sequence: int, max_rows: int, headroom: float = HEADROOM) -> int:
@@ -61,6 +72,20 @@ def fitting_rows(free: int | None, per_sequence: int, max_rows: int, headroom: f
     if free is None or per_sequence <= 0:
         return max_rows
     return max(1, min(max_rows, int(headroom * free / per_sequence)))
+
+
+def fitting_slots(free: int | None, held: int, prefill: int, pass_rows: int, max_rows: int,
+                  headroom: float = HEADROOM) -> int:
+    """Decode slots that fit in `free` bytes when each holds `held` bytes and the prompts
+    prefill in passes of at most `pass_rows`, one pass at a time, `prefill` bytes a prompt:
+    a pass's activations are needed once, not once a slot. At most `max_rows`, at least 1;
+    `max_rows` without a memory reading (CPU)."""
+    if free is None or held + prefill <= 0:
+        return max_rows
+    rows = int(headroom * free / (held + prefill))   # every prompt in one pass
+    if rows > pass_rows:                             # more slots than a pass holds
+        rows = int((headroom * free - pass_rows * prefill) / held)
+    return max(1, min(max_rows, rows))
 
 
 def power_of_two_below(rows: int) -> int:

@@ -39,8 +39,8 @@ from typing import Callable
 import torch
 
 from pipeline.engines import decode_kernel
-from pipeline.engines.budget import HEADROOM, fitting_rows, power_of_two_below, sequence_bytes
-from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, SlotRun, bucket_batch
+from pipeline.engines.budget import HEADROOM, fitting_slots, held_bytes, power_of_two_below, prefill_bytes
+from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, PREFILL_PASS_TOKENS, SlotRun, bucket_batch
 from pipeline.engines.fused_projections import fuse_projections as fuse_layer_projections
 from pipeline.engines.held_rows import HeldRows
 from pipeline.engines.hf import (
@@ -169,13 +169,15 @@ class CudaGraphEngine:
         """Decode slots: a power of two, at most max_batch_size, that fits the memory free
         now with this engine's own KV caches counted as free (they make room)."""
         dtype = next(self.model.parameters()).dtype
-        per_sequence = sequence_bytes(self.model.config, dtype, prompt_length, length)
+        per_sequence = held_bytes(self.model.config, dtype, length)
         free = free_bytes(self.device)
         wanted = min(self.max_batch_size, bucket_batch(sequences))
         if free is None:
             return wanted
         held = sum(cache.nbytes for cache in self._caches.values())
-        batch = power_of_two_below(fitting_rows(free + held, per_sequence, wanted))
+        batch = power_of_two_below(fitting_slots(free + held, per_sequence,
+                                                 prefill_bytes(self.model.config, dtype, prompt_length),
+                                                 max(1, PREFILL_PASS_TOKENS // prompt_length), wanted))
         if batch < wanted and batch != self._planned:
             report("generation", wanted, batch, "sequences per batch", LOW_FREE_MEMORY,
                    f"{(free + held) / 2**30:.2f} GiB free for {per_sequence / 2**20:.1f} MiB a sequence "

@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 import torch
 
-from pipeline.engines import budget, cuda_graph
+from pipeline.engines import budget, continuous, cuda_graph
 from pipeline.engines.cuda_graph import CudaGraphEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.models import load_causal_lm, load_tokenizer
@@ -136,6 +136,15 @@ def test_budget_arithmetic(model_and_tokenizer):
     assert budget.fitting_rows(None, 100, 64) == 64                    # CPU: no reading, no limit
     assert budget.fitting_rows(10_000, 1_000, 64, headroom=0.85) == 8  # 0.85 * 10 = 8.5
     assert budget.fitting_rows(10, 1_000, 64) == 1
+    assert budget.held_bytes(config, torch.float32, 30) + budget.prefill_bytes(config, torch.float32, 10) == \
+        budget.sequence_bytes(config, torch.float32, 10, 30)
+    # Slots holding 100 bytes each, prompts prefilled 4 at a time at 900 bytes each: in 10 000
+    # bytes, 10 slots if every prompt took its prefill's memory at once, (10 000 - 4 x 900) /
+    # 100 = 64 with one pass of 4 at a time; a pass of 20 holds every prompt that fits: 10.
+    assert budget.fitting_slots(10_000, 100, 900, 4, 256, headroom=1.0) == 64
+    assert budget.fitting_slots(10_000, 100, 900, 20, 256, headroom=1.0) == 10
+    assert budget.fitting_slots(10_000, 100, 900, 4, 32, headroom=1.0) == 32      # at most max_rows
+    assert budget.fitting_slots(None, 100, 900, 4, 32) == 32                        # CPU: no reading
     assert [budget.power_of_two_below(n) for n in (1, 2, 3, 8, 9, 255)] == [1, 2, 2, 8, 8, 128]
 
 
@@ -161,6 +170,27 @@ def test_cuda_graph_batch_follows_the_free_memory_read_before_each_request(model
     free["bytes"] = 100 * per_sequence                                  # it left again
     engine.generate(request, 0)
     assert engine.batch == 16 and len(allocator.reported()) == seen + 1
+
+
+def test_cuda_graph_plan_counts_one_prefill_pass_not_one_a_slot(model_and_tokenizer, monkeypatch):
+    """Prompts prefill a pass at a time (continuous.PREFILL_PASS_TOKENS): the memory plan
+    counts one pass's activations besides the slots' KV caches, so a GPU with room for 16
+    slots and one pass runs 16, where counting every prompt's prefill planned fewer."""
+    model, tokenizer = model_and_tokenizer
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
+                             max_batch_size=16)
+    request = _request(tokenizer, prompts=4, samples=4)   # 16 sequences
+    width = cuda_graph.bucket_length(max(len(p) for p in request.prompt_ids), engine.prompt_bucket)
+    held = budget.held_bytes(model.config, torch.float32, width + request.max_new_tokens)
+    prefill = budget.prefill_bytes(model.config, torch.float32, width)
+    for module in (cuda_graph, continuous):
+        monkeypatch.setattr(module, "PREFILL_PASS_TOKENS", 2 * width)   # two prompts a pass
+    free = int((16 * held + 2 * prefill) / budget.HEADROOM) + 1
+    monkeypatch.setattr(cuda_graph, "free_bytes", lambda device: free)
+    rollout = engine.generate(request, 0)
+    assert engine.batch == 16 and engine.last_stats["prefill_passes"] == 8
+    assert budget.fitting_rows(free, held + prefill, 16) < 16           # every prompt's prefill counted
+    _consistent(model, rollout)
 
 
 def capped_reference(model_dir: str, limit: int) -> ReferenceRole:
