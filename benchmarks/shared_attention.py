@@ -87,12 +87,12 @@ def prompts_then_responses(prompt_q, prompt_k, prompt_v, response_q, response_k,
     its own (causal from the bottom right: query i sees the prompt and responses 0..i)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    groups = response_q.shape[2], response_k.shape[2]
+    lengths = response_q.shape[2], response_k.shape[2]   # each response's queries and keys
     repeat = HEADS // KV_HEADS
     prompts = F.scaled_dot_product_attention(prompt_q, prompt_k, prompt_v, is_causal=True, enable_gqa=True)
     responses = F.scaled_dot_product_attention(response_q, response_k.repeat_interleave(repeat, 1),
                                                response_v.repeat_interleave(repeat, 1),
-                                               attn_mask=causal_lower_right(*groups))
+                                               attn_mask=causal_lower_right(*lengths))
     return prompts, responses
 
 
