@@ -4,8 +4,9 @@ scattered to the worker first (Fleet.place, what the update's rows do).
 The update's rows (token ids, masks, logprobs, advantages of a batch) are built on the
 driver and go to each actor rank's worker. Inside the task, the scheduler unpickles them and
 forwards them, and Dask warns "Sending large graph" past 10 MiB; a long-response batch is
-tens of MiB a step (256 rows of 1152 tokens ~20 MiB). Scattered, they go from the driver to
-the worker directly and the scheduler only records where they are. This times submit-to-
+tens of MiB a step (256 rows of 1152 tokens ~20 MiB). Scattered (from the driver, Dask's
+default routes them through the scheduler), they pass it as opaque bytes it forwards to the
+worker, and the task refers to them by key. This times submit-to-
 result of a task that only reads its input, one local worker process, each way and size.
 
     python benchmarks/task_inputs.py            # ~30 s on 2 cores

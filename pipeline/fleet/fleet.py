@@ -145,10 +145,11 @@ class Fleet:
 
     def place(self, role: str, fn: Callable, data: list, address: str, tag: str = "") -> list:
         """Futures of `data`'s items, held on the worker at `address` for the task `fn` of
-        `role` pinned there. They travel from the driver to that worker directly instead of
-        inside the task through the scheduler, which would unpickle and forward them (a batch
-        of long responses is tens of MiB a step: 20 MiB took 0.20 s to reach a local worker
-        that way, 0.03 s scattered, on a 2-core host, benchmarks/task_inputs.py). Their keys
+        `role` pinned there. Scattered, they pass the scheduler as opaque bytes it forwards to
+        that worker; inside the task they were part of its graph, which the scheduler
+        unpickles (a batch of long responses is tens of MiB a step: 20 MiB took 0.20 s to
+        reach a local worker that way, 0.03 s scattered, on a 2-core host,
+        benchmarks/task_inputs.py). Their keys
         fall in the task's own group (`role-fn`): the dashboard's task-group graph fails on a
         dependency group that is forgotten before its dependents. Lost with that worker, as
         the task is: Dask cancels the task, and the wait reports the worker lost."""
