@@ -162,8 +162,9 @@ class PolicyUpdate:
         workers = self.fleet.rank_workers(role)
         rows = rank_shards(len(experience), len(workers), self.train_config.mini_batches, role)
         groups = self.fleet.rank_groups(role, workers)
-        tags = [f"{self.fleet.version}-r{rank}" for rank in range(len(workers))]
-        shards = [self.fleet.place(role, fn, [experience.select(r) for r in rows[rank]], address, tag=tags[rank])
-                  for rank, address in enumerate(workers)]
-        return workers, [self.fleet.submit(role, fn, shards[rank], groups[rank], step, tag=tags[rank], workers=[address])
-                         for rank, address in enumerate(workers)]
+        futures = []
+        for rank, address in enumerate(workers):
+            tag = f"{self.fleet.version}-r{rank}"
+            shards = self.fleet.place(role, fn, [experience.select(r) for r in rows[rank]], address, tag=tag)
+            futures.append(self.fleet.submit(role, fn, shards, groups[rank], step, tag=tag, workers=[address]))
+        return workers, futures

@@ -67,11 +67,9 @@ def prefill_bytes(config, dtype: torch.dtype, prompt_length: int) -> int:
 
 
 def fitting_rows(free: int | None, per_sequence: int, max_rows: int, headroom: float = HEADROOM) -> int:
-    """Sequences that fit in `free` bytes: at most `max_rows`, at least 1; `max_rows`
-    without a memory reading (CPU)."""
-    if free is None or per_sequence <= 0:
-        return max_rows
-    return max(1, min(max_rows, int(headroom * free / per_sequence)))
+    """Sequences that fit in `free` bytes, `per_sequence` each: fitting_slots with nothing
+    needed once."""
+    return fitting_slots(free, per_sequence, 0, max_rows, max_rows, headroom)
 
 
 def fitting_slots(free: int | None, held: int, prefill: int, pass_rows: int, max_rows: int,

@@ -149,18 +149,13 @@ class Fleet:
         that worker; inside the task they were part of its graph, which the scheduler
         unpickles (a batch of long responses is tens of MiB a step: 20 MiB took 0.20 s to
         reach a local worker that way, 0.03 s scattered, on a 2-core host,
-        benchmarks/task_inputs.py). Their keys
-        fall in the task's own group (`role-fn`): the dashboard's task-group graph fails on a
-        dependency group that is forgotten before its dependents. Lost with that worker, as
-        the task is: Dask cancels the task, and the wait reports the worker lost."""
+        benchmarks/task_inputs.py). Their keys fall in the task's own group (`role-fn`): the
+        dashboard's task-group graph fails on a dependency group that is forgotten before its
+        dependents. Lost with that worker, as the task is: Dask cancels the task, and the
+        wait reports the worker lost."""
         keys = [f"{task_key(role, fn, tag)}-input{i}" for i in range(len(data))]
-        try:
+        with self._losing(role, [address], (OSError,), "the update's rows were sent to it"):   # a closed comm
             placed = self.client.scatter(dict(zip(keys, data)), workers=[address])
-        except OSError as error:   # the worker died as the rows were sent (a closed comm)
-            if not self._departed(role, [address]):
-                raise
-            raise WorkerLost(f"{role}: worker {address} left the cluster while the update's rows were sent to it",
-                             role=role) from error
         return [placed[key] for key in keys]
 
     def wait(self, role: str, futures: list, what: str) -> list:
@@ -184,16 +179,23 @@ class Fleet:
         published = self.weights if role == "actor" and self.weights is not None else None
         recovery = Recovery(recovery_path(self.snapshot_dir, role), published.path if published else None,
                             self.version if published else 0)
-        try:
+        # A member that died as its group formed: a closed comm, or not listed.
+        with self._losing(role, workers, (OSError, KeyError), "its process group formed"):
             return self.groups.ranks(role, workers, strategy=spec.strategy, backend=backend,
                                      timeout_seconds=self.timeout, recovery=recovery)
-        except (OSError, KeyError) as error:  # a member died as its group formed (a closed comm, or not listed)
+
+    @contextlib.contextmanager
+    def _losing(self, role: str, workers: list[str], errors: tuple[type[BaseException], ...], doing: str):
+        """An error of `errors` inside is WorkerLost for `role` when one of `workers` has left
+        the cluster (as a lost rank: the update's redo waits for its replacement and starts
+        again), else raised as it is."""
+        try:
+            yield
+        except errors as error:
             gone = self._departed(role, workers)
             if not gone:
                 raise
-            # As a lost rank: the update's redo waits for its replacement and forms the group anew.
-            raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster while its process group "
-                             f"formed", role=role) from error
+            raise WorkerLost(f"{role}: worker {', '.join(gone)} left the cluster while {doing}", role=role) from error
 
     def _departed(self, role: str, workers: list[str], grace: float = 30.0) -> list[str]:
         """Those of `workers` the scheduler no longer lists, waiting (bounded) for it to notice
