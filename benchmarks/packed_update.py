@@ -28,7 +28,7 @@ as train.gradient_checkpointing defaults to. Two ways:
 every row its own); `--max-response 256 --mean-response 1e9` makes every response 256 tokens.
 
 --profile runs the auto packed step once more under torch.profiler and prints the operators
-that took the most device time.
+that took the most device time, and the host operators the GPU sat idle waiting on.
 
 Each is run twice (the first step warms kernels up and, for the budget, measures bytes per
 token); the second is reported: seconds, tokens computed / real tokens, peak GPU memory,
@@ -105,13 +105,21 @@ def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool | 
 
 
 def profile(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool, rows: int = 25) -> None:
-    """One more step under torch.profiler: the operators with the most device time."""
+    """One more step under torch.profiler: the operators with the most device time, then
+    the GPU's idle time and the host operators it waited on (benchmarks/gpu_gaps.py)."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
+
+    from benchmarks.gpu_gaps import gaps_report
 
     with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(trainable, batch, micro_batch_size, pack)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        gaps_report(trace.name)
 
 
 def main(argv=None) -> dict:
