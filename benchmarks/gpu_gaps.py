@@ -3,9 +3,10 @@
 A torch.profiler trace (Chrome JSON, `prof.export_chrome_trace`) holds the GPU's kernels and
 the host's operators. The GPU is busy where some kernel, copy or memset runs; between the
 first and the last of them, the rest of the time it waited for the host to enqueue work.
-Each such gap is charged to the host operators running on the busiest host thread at the
-time, each to its innermost operator (its own time, not its children's), so the table says
-which host work the GPU waited on.
+Each such gap is charged to the host operators running at the time, each to its innermost
+operator (its own time, not its children's), once for each of the two busiest host threads
+(the Python thread, and in a backward pass autograd's own thread, which launches its
+kernels), so the tables say which host work the GPU waited on.
 
     python benchmarks/gpu_gaps.py trace.json      # or gaps_report(path) after a profile
 """
@@ -63,7 +64,7 @@ def self_intervals(events: list[tuple[float, float, str]]) -> list[tuple[float, 
 
 def charge(gaps: list[tuple[float, float]], pieces: list[tuple[float, float, str]]) -> Counter:
     """Microseconds of `gaps` spent in each piece's name; time no host event covers is
-    charged to '(python, no operator)'."""
+    charged to "(no operator: Python, or waiting)"."""
     spent: Counter = Counter()
     j = 0
     for gap_start, gap_end in gaps:
@@ -77,7 +78,7 @@ def charge(gaps: list[tuple[float, float]], pieces: list[tuple[float, float, str
                 spent[pieces[k][2]] += overlap
                 covered += overlap
             k += 1
-        spent["(python, no operator)"] += (gap_end - gap_start) - covered
+        spent["(no operator: Python, or waiting)"] += (gap_end - gap_start) - covered
     return spent
 
 
@@ -97,8 +98,8 @@ def gaps_report(trace_path: str, rows: int = 15, min_gap_us: float = 0.0) -> dic
     for e in events:
         if e.get("cat") in HOST_CATEGORIES:
             host[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?")))
-    main_thread = max(host, key=lambda tid: len(host[tid])) if host else None
-    spent = charge(gaps, self_intervals(host[main_thread])) if main_thread is not None else Counter()
+    threads = sorted(host, key=lambda tid: -len(host[tid]))[:2]
+    spent = {tid: charge(gaps, self_intervals(host[tid])) for tid in threads}
     span = busy[-1][1] - busy[0][0]
     busy_us = sum(end - start for start, end in busy)
     idle_us = sum(end - start for start, end in gaps)
@@ -106,13 +107,16 @@ def gaps_report(trace_path: str, rows: int = 15, min_gap_us: float = 0.0) -> dic
     print(f"GPU span {span / 1e3:.1f} ms: busy {busy_us / 1e3:.1f} ms ({busy_us / span:.0%}), idle "
           f"{idle_us / 1e3:.1f} ms in {len(gaps)} gaps (longest {sizes[0] / 1e3 if sizes else 0:.2f} ms; "
           f"{sum(s for s in sizes if s >= 100) / 1e3:.1f} ms in gaps of 100 us or more)")
-    print(f"{'host operator the GPU waited on':<60} {'ms':>8} {'share':>6}")
-    for name, micros in spent.most_common(rows):
-        if micros <= 0:
-            break
-        print(f"{name[:60]:<60} {micros / 1e3:8.1f} {micros / max(idle_us, 1e-9):6.1%}")
+    for tid, charged in spent.items():
+        print(f"{f'host operator the GPU waited on (thread {tid}, {len(host[tid])} operators)':<66} {'ms':>8} "
+              f"{'share':>6}")
+        for name, micros in charged.most_common(rows):
+            if micros <= 0:
+                break
+            print(f"  {name[:64]:<64} {micros / 1e3:8.1f} {micros / max(idle_us, 1e-9):6.1%}")
     return {"span_ms": span / 1e3, "busy_ms": busy_us / 1e3, "idle_ms": idle_us / 1e3, "gaps": len(gaps),
-            "waited_on_ms": {name: micros / 1e3 for name, micros in spent.most_common(rows)}}
+            "waited_on_ms": {str(tid): {name: micros / 1e3 for name, micros in charged.most_common(rows)}
+                             for tid, charged in spent.items()}}
 
 
 def main(argv=None) -> None:

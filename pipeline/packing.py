@@ -172,6 +172,9 @@ class SharedPromptRows:
     predictors: (T,) flat index into N*W of the hidden state that predicts each real
     response token (its prompt's last token for the first one), outputs: (T,) that token's
     flat index into the (B, R) response layout, as response_slots returns them.
+    prompt_start, prompt_tokens: (U,) where each unit's prompt starts (flat index into N*W)
+    and its length; response_start, response_tokens: (B,) the same for each row's response
+    (a row without response tokens starts where it would have); row_unit: (B,) each row's unit.
     """
 
     input_ids: torch.Tensor
@@ -181,6 +184,11 @@ class SharedPromptRows:
     predictors: torch.Tensor
     outputs: torch.Tensor
     plan: PackPlan
+    prompt_start: torch.Tensor
+    prompt_tokens: torch.Tensor
+    response_start: torch.Tensor
+    response_tokens: torch.Tensor
+    row_unit: torch.Tensor
 
     def visible(self, row, head, query, key):
         """Whether position `query` of packed row `row` attends to position `key`: the key
@@ -189,16 +197,6 @@ class SharedPromptRows:
         unit, part = self.unit, self.part
         return ((key <= query) & (unit[row, query] == unit[row, key])
                 & ((part[row, key] == 0) | (part[row, key] == part[row, query])))
-
-    def dense_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """(N, 1, W, W) additive mask (0 where visible, the dtype's lowest value elsewhere):
-        exact with any attention, but it computes every pair of a packed row."""
-        rows, width = self.input_ids.shape
-        index = torch.arange(width, device=self.input_ids.device)
-        row = torch.arange(rows, device=index.device)[:, None, None]
-        seen = self.visible(row, None, index[None, :, None], index[None, None, :])
-        mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
-        return mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]
 
 
 def prompt_units(input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -258,7 +256,8 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     predictors = torch.where(column == 0, prompt_last, r_target - 1)
     shape = (count, width)
     return SharedPromptRows(packed_ids.view(shape), positions.view(shape), unit_map.view(shape),
-                            part_map.view(shape), predictors, row_of * response_mask.shape[1] + column, plan)
+                            part_map.view(shape), predictors, row_of * response_mask.shape[1] + column, plan,
+                            unit_start_t, unit_prompt, response_start, response_tokens, unit)
 
 
 def _placement(plan: PackPlan, longest: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
 from pipeline.records import Experience
 from pipeline.roles.forward import (
-    choose_packing, in_row_chunks, response_logprobs, response_logprobs_and_entropy, warm_up_batch,
+    choose_packing, in_row_chunks, on_device, response_logprobs, response_logprobs_and_entropy, warm_up_batch,
 )
 from pipeline.roles.host import resolve_device, role_state, settle_heap
 from pipeline.roles.training import GroupInfo, Trainable
@@ -150,7 +150,7 @@ class ActorRole:
         if not self.trainer.sharded:
             return in_row_chunks(response_logprobs, model, batch, step.micro_batch_size, self.device,
                                  step.temperature, what="proximal logprobs", pack=pack)
-        ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        ids, mask = batch.input_ids, batch.attention_mask   # the forward sends them to the device
         return self.trainer.sharded_forward(
             lambda rows: response_logprobs(model, ids[rows], mask[rows], batch.prompt_length, step.temperature,
                                            pack=pack).float(),
@@ -158,19 +158,19 @@ class ActorRole:
 
     def _loss(self, model, chunk, step: PolicyStep, normalizer: float, sequences: float | None, pack: bool | str):
         batch, proximal = chunk
-        mask = batch.response_mask.to(self.device)
-        logp, entropy = response_logprobs_and_entropy(
-            model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device), batch.prompt_length,
+        mask = on_device(batch.response_mask, self.device)
+        logp, entropy = response_logprobs_and_entropy(   # the rows go to the device packed
+            model, batch.input_ids, batch.attention_mask, batch.prompt_length,
             step.temperature, entropy_grad=step.entropy_coef > 0, pack=pack)
         proximal = logp.detach() if proximal is None else proximal
-        is_weights = importance_weights(proximal, batch.behavior_logprobs.to(self.device), mask, step.is_cap)
+        is_weights = importance_weights(proximal, on_device(batch.behavior_logprobs, self.device), mask, step.is_cap)
         # One aggregation for every term, with the global counts: splitting never changes the sum.
         agg = dict(loss_agg_mode=step.loss_agg_mode, sequences=sequences, horizon=step.horizon)
         loss, stats = POLICY_LOSSES[step.policy_loss](
-            logp, proximal, batch.advantages.to(self.device), mask, step.clip_ratio, normalizer=normalizer,
+            logp, proximal, on_device(batch.advantages, self.device), mask, step.clip_ratio, normalizer=normalizer,
             is_weights=is_weights, clip_ratio_high=step.clip_ratio_high, clip_ratio_c=step.clip_ratio_c, **agg)
         if step.kl_coef_in_loss:
-            loss = loss + step.kl_coef_in_loss * kl_loss(logp, batch.ref_logprobs.to(self.device), mask,
+            loss = loss + step.kl_coef_in_loss * kl_loss(logp, on_device(batch.ref_logprobs, self.device), mask,
                                                          normalizer=normalizer, **agg)
         if step.entropy_coef:  # a bonus: higher entropy lowers the loss
             loss = loss - step.entropy_coef * aggregate_loss(entropy, mask, step.loss_agg_mode, normalizer,

@@ -10,7 +10,7 @@ from pipeline.algorithms import value_loss
 from pipeline.metrics import sum_stats
 from pipeline.packing import computed_tokens
 from pipeline.records import Experience, Rollout
-from pipeline.roles.forward import in_row_chunks, response_values
+from pipeline.roles.forward import in_row_chunks, on_device, response_values
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 
@@ -67,8 +67,8 @@ class CriticRole:
         return self.trainer.record(step.next_version, sum_stats(per_step), step.recovery_path)
 
     def _loss(self, model, batch: Experience, step: CriticStep, normalizer: float):
-        to = lambda t: t.to(self.device)  # noqa: E731
-        values = response_values(model, to(batch.input_ids), to(batch.attention_mask), batch.prompt_length,
+        to = lambda t: on_device(t, self.device)  # noqa: E731
+        values = response_values(model, batch.input_ids, batch.attention_mask, batch.prompt_length,  # sent packed
                                  pack=step.pack_sequences)
         loss, stats = value_loss(values, to(batch.old_values), to(batch.returns), to(batch.response_mask),
                                  step.clip_range, normalizer=normalizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 
@@ -11,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
 from pipeline.packing import SHARED_PROMPTS, pack_rows, pack_shared_prompts, response_slots, unpack_responses
+from pipeline.roles.shared_attention import SHARED_PROMPT_ATTENTION, PromptsThenResponses, attend_with_shared_prompts
 from resources.allocator import free_bytes, in_chunks, rows_per_micro_batch
 
 logger = logging.getLogger("dask_rl")
@@ -27,8 +29,8 @@ LOGIT_CHUNK_TOKENS = 512
 # transformers' name of the attention that takes block masks (a group's prompt computed once).
 FLEX_ATTENTION = "flex_attention"
 
-# Models that cannot share prompts (no FlexAttention for their architecture, or not on a GPU):
-# they pack whole rows, and the reason is logged once.
+# Models that cannot share prompts (an attention the tiles do not cover): they pack whole
+# rows, and the reason is logged once.
 _NOT_SHARING: weakref.WeakSet = weakref.WeakSet()
 
 # model -> (rows per chunk that fitted after an out-of-memory error, free bytes then).
@@ -106,14 +108,17 @@ def response_logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask
 
 def _response_scores(model, input_ids, attention_mask, prompt_length: int, temperature: float,
                      entropy_grad: bool | None, pack: bool | str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs, entropy or None); entropy_grad None: no entropy."""
-    targets = input_ids[:, prompt_length:]
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    separable = _separable(model, inputs, prompt_length, temperature)
+    """(logprobs, entropy or None); entropy_grad None: no entropy. The rows may come on the
+    CPU: they are packed there and only then sent to the model's device (on_device)."""
+    device = _device_of(model)
+    separable = _separable(model, input_ids, attention_mask, prompt_length, temperature, device)
     project = _compiled_project if model in _COMPILED else _project
     if pack:
         return _packed_scores(model, separable, project, input_ids, attention_mask, prompt_length, temperature,
-                              entropy_grad, pack)
+                              entropy_grad, pack, device)
+    input_ids, attention_mask = on_device(input_ids, device), on_device(attention_mask, device)
+    targets = input_ids[:, prompt_length:]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     if not separable:
         logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits[:, :-1]
         return _project_logits(logits, targets, temperature, entropy_grad)
@@ -122,18 +127,24 @@ def _response_scores(model, input_ids, attention_mask, prompt_length: int, tempe
 
 
 def _packed_scores(model, separable: bool, project, input_ids, attention_mask, prompt_length: int,
-                   temperature: float, entropy_grad: bool | None,
-                   pack: bool | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   temperature: float, entropy_grad: bool | None, pack: bool | str,
+                   device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """_response_scores over the packed real tokens: the hidden states that predict real
-    response tokens are gathered (T of them), scored, and scattered back to (B, R)."""
+    response tokens are gathered (T of them), scored, and scattered back to (B, R).
+
+    The packing is worked out where the rows are: on the CPU its data-dependent sizes
+    (lengths, bins, the tiles) cost the GPU no wait, as they would where each one is read
+    back from the device; the packed tensors then go over in copies queued behind its work."""
     if pack == SHARED_PROMPTS:
         shared = pack_shared_prompts(input_ids, attention_mask, prompt_length)
-        inputs, predictors, outputs = shared_prompt_inputs(model, shared), shared.predictors, shared.outputs
+        inputs = {key: on_device(value, device) for key, value in shared_prompt_inputs(model, shared).items()}
+        predictors, outputs = shared.predictors, shared.outputs
     else:
         packed = pack_rows(input_ids, attention_mask)
-        inputs = packed.model_inputs()
+        inputs = {key: on_device(value, device) for key, value in packed.model_inputs().items()}
         predictors, outputs = response_slots(packed, attention_mask, prompt_length)
-    targets = input_ids[:, prompt_length:].reshape(-1)[outputs]
+    targets = on_device(input_ids[:, prompt_length:].reshape(-1)[outputs], device)
+    predictors, outputs = on_device(predictors, device), on_device(outputs, device)
     if separable:
         hidden = model.base_model(**inputs).last_hidden_state
         scores = _chunked_scores(model.get_output_embeddings(), hidden.flatten(0, 1)[predictors], targets,
@@ -145,42 +156,63 @@ def _packed_scores(model, separable: bool, project, input_ids, attention_mask, p
     return tuple(None if part is None else unpack_responses(part, outputs, shape) for part in scores)
 
 
+def on_device(value, device):
+    """`value` (a tensor, a dict of them by layer type, a dataclass of them, or anything else,
+    returned as it is) on `device`. From the CPU to a GPU through pinned memory and without
+    blocking: a copy from pageable memory would wait for all the GPU's queued work first."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and torch.device(device).type == "cuda":
+            return value.pin_memory().to(device, non_blocking=True)
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: on_device(item, device) for key, item in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{field.name: on_device(getattr(value, field.name), device)
+                                             for field in dataclasses.fields(value)})
+    return value
+
+
+def _device_of(model) -> torch.device:
+    parameter = next(model.parameters())
+    return parameter.device
+
+
 def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> bool | str:
-    """The packing of `model`'s forwards on `device`: SHARED_PROMPTS where prompts are to be
-    shared and the model can attend with FlexAttention on a GPU (its attention is switched
-    to it here), else `pack_sequences`. On a CPU a shared prompt would need a dense mask,
-    which computes more pairs than sharing saves, and FlexAttention has no backward there."""
+    """The packing of `model`'s forwards: SHARED_PROMPTS where prompts are to be shared and
+    the model can attend with SHARED_PROMPT_ATTENTION (switched to it here), else
+    `pack_sequences`. (`device` is where it runs: sharing works on any.)"""
     if not (pack_sequences and share_prompts) or model in _NOT_SHARING:
         return pack_sequences
-    if torch.device(device).type != "cuda":
-        _NOT_SHARING.add(model)
-        logger.info("dask-rl: train.share_prompts applies on GPUs; on %s the actor packs whole rows", device)
-        return pack_sequences
-    if getattr(model.config, "_attn_implementation", None) != FLEX_ATTENTION:
+    if getattr(model.config, "_attn_implementation", None) not in (SHARED_PROMPT_ATTENTION, FLEX_ATTENTION):
         try:
-            model.set_attn_implementation(FLEX_ATTENTION)
-        except (ValueError, ImportError) as error:   # an architecture without FlexAttention support
+            attend_with_shared_prompts(model)
+        except (ValueError, ImportError) as error:   # e.g. sliding-window layers
             _NOT_SHARING.add(model)
-            logger.warning("dask-rl: train.share_prompts needs FlexAttention, which %s cannot run (%s); the "
-                           "actor packs whole rows instead", type(model).__name__, error)
+            logger.warning("dask-rl: train.share_prompts cannot run on %s (%s); the actor packs whole rows instead",
+                           type(model).__name__, error)
             return pack_sequences
     return SHARED_PROMPTS
 
 
 def shared_prompt_inputs(model, shared) -> dict:
-    """Keyword arguments of a transformers forward over SharedPromptRows: a FlexAttention
-    block mask where the model attends with FlexAttention (blocks of pairs no query sees are
-    skipped), else a dense additive mask, exact with any attention but computing every pair."""
+    """Keyword arguments of a transformers forward over SharedPromptRows: the tiles of
+    PromptsThenResponses for SHARED_PROMPT_ATTENTION, or a FlexAttention block mask where
+    the model attends with FlexAttention (benchmarks/packed_update.py compares the two)."""
     rows, width = shared.input_ids.shape
-    if getattr(model.config, "_attn_implementation", None) == FLEX_ATTENTION:
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in (SHARED_PROMPT_ATTENTION, FLEX_ATTENTION):   # asked for directly, not via choose_packing
+        attend_with_shared_prompts(model)
+    if attention == FLEX_ATTENTION:
         from torch.nn.attention.flex_attention import create_block_mask
+
+        shared = on_device(shared, _device_of(model))   # a block mask is made where it is used
 
         def visible(row, head, query, key):   # a plain function: FlexAttention reads its arity
             return shared.visible(row, head, query, key)
 
         mask = create_block_mask(visible, rows, None, width, width, device=shared.input_ids.device)
-    else:
-        mask = shared.dense_mask(next(model.parameters()).dtype)
+    else:   # a dict of masks by layer type is used as it is, each layer handed its own
+        mask = {"full_attention": PromptsThenResponses.of(shared)}
     return dict(input_ids=shared.input_ids, position_ids=shared.position_ids, attention_mask=mask, use_cache=False)
 
 
@@ -222,7 +254,7 @@ def _project_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return logprobs, entropy_from_logits(scaled)
 
 
-def _separable(model, inputs: dict, prompt_length: int, temperature: float) -> bool:
+def _separable(model, input_ids, attention_mask, prompt_length: int, temperature: float, device) -> bool:
     """Whether the model's logits are its output embedding applied to its base model's
     output. Most causal LMs are; some scale or soft-cap the logits in their own forward,
     and an FSDP-sharded model gathers its root parameters only in the root's forward: those
@@ -236,8 +268,9 @@ def _separable(model, inputs: dict, prompt_length: int, temperature: float) -> b
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     separable = head is not None and getattr(model, "base_model", model) is not model
     if separable:
-        row = {k: v[:1] for k, v in inputs.items()}
-        targets = row["input_ids"][:, prompt_length:]
+        ids, mask = input_ids[:1].to(device), attention_mask[:1].to(device)
+        row = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+        targets = ids[:, prompt_length:]
         with torch.no_grad():
             whole = logprobs_from_logits(model(**row, use_cache=False).logits[:, prompt_length - 1:-1], targets,
                                          temperature)
@@ -252,12 +285,15 @@ def _separable(model, inputs: dict, prompt_length: int, temperature: float) -> b
 def response_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_length: int, pack: bool = False) -> torch.Tensor:
     """(B, P+R) ids -> (B, R): V of the state before each response token is emitted
-    (`pack`: over the packed real tokens, exactly 0 on padded response positions)."""
+    (`pack`: over the packed real tokens, exactly 0 on padded response positions). The rows
+    may come on the CPU, as for response_logprobs."""
+    device = _device_of(critic)
     if not pack:
-        return critic(input_ids, attention_mask)[:, prompt_length - 1:-1]
+        return critic(on_device(input_ids, device), on_device(attention_mask, device))[:, prompt_length - 1:-1]
     packed = pack_rows(input_ids, attention_mask)
-    predictors, outputs = response_slots(packed, attention_mask, prompt_length)
-    values = critic(packed.input_ids, None, positions=packed.position_ids).flatten()[predictors]
+    predictors, outputs = (on_device(index, device) for index in response_slots(packed, attention_mask, prompt_length))
+    values = critic(on_device(packed.input_ids, device), None,
+                    positions=on_device(packed.position_ids, device)).flatten()[predictors]
     return unpack_responses(values, outputs, (input_ids.shape[0], input_ids.shape[1] - prompt_length))
 
 
@@ -271,8 +307,8 @@ def in_row_chunks(forward, model, batch, micro_batch_size: int | str, device, *a
 
     A chunk that runs out of memory is halved and redone (reported as a degradation of
     `what`); rows are scored independently, so the result is the same."""
-    def run(rows: slice) -> torch.Tensor:
-        return forward(model, batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device),
+    def run(rows: slice) -> torch.Tensor:   # the forward sends the rows to the device (packed first, if so)
+        return forward(model, batch.input_ids[rows], batch.attention_mask[rows],
                        batch.prompt_length, *args, pack=pack).float()
 
     micro_batch_size = rows_per_micro_batch(micro_batch_size)

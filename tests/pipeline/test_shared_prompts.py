@@ -1,7 +1,8 @@
 """train.share_prompts: rows with the same prompt packed as one sequence (the prompt once,
-then each response), by hand; the mask each response sees; logprobs and entropy equal to the
-padded rows' on a real tiny model (the dense mask a CPU runs; the actor loss's gradients are
-checked in test_packing.py); the token counts a budget reads; and where the actor turns it on."""
+then each response), by hand; the keys each response sees, in the block mask's terms and in
+the attention tiles'; logprobs, entropy and gradients equal to the padded rows' on a real tiny
+model (the actor loss's gradients are checked in test_packing.py too); the token counts a
+budget reads; and where the actor turns it on."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from pipeline.config import TrainConfig, TrainConfigError, make_train_config
 from pipeline.models import load_causal_lm
 from pipeline.packing import SHARED_PROMPTS, computed_tokens, pack_shared_prompts, prompt_units
-from pipeline.roles.forward import FLEX_ATTENTION, choose_packing, response_logprobs_and_entropy
+from pipeline.roles.forward import choose_packing, response_logprobs_and_entropy
+from pipeline.roles.shared_attention import SHARED_PROMPT_ATTENTION, PromptsThenResponses
 
 PROMPT, RESPONSE = 4, 3
 
@@ -48,7 +50,8 @@ def test_shared_prompt_layout_by_hand():
 
 def test_each_response_sees_its_prompt_and_itself():
     shared = pack_shared_prompts(*_hand_rows(), PROMPT)
-    seen = shared.dense_mask(torch.float32)[0, 0] == 0
+    index = torch.arange(shared.input_ids.shape[1])
+    seen = shared.visible(0, None, index[:, None], index[None, :])
     assert seen[:5, :5].int().tolist() == [[1, 0, 0, 0, 0],    # prompt 5
                                            [1, 1, 0, 0, 0],    # prompt 6
                                            [1, 1, 1, 0, 0],    # 7 (row 0)
@@ -88,46 +91,84 @@ def _group_rows(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(rows)[order], torch.stack(masks)[order]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_shared_prompt_logprobs_and_entropy_equal_padded(policy, attention):
-    policy.set_attn_implementation(attention)
+def test_attention_tiles_by_hand():
+    """The hand rows' units as tiles: prompts [5, 6] (flat 0-1) and [4, 5, 6, 7] (5-8);
+    responses [7, 8] (2-3), [3] (9) and [9] (4)."""
+    shared = pack_shared_prompts(*_hand_rows(), PROMPT)
+    tiles = PromptsThenResponses.of(shared)
+    assert tiles.prompt_gather.tolist() == [[0, 1, 0, 0], [5, 6, 7, 8]]       # past a prompt's end: its start
+    assert tiles.response_gather.tolist() == [[2, 3], [9, 9], [4, 4]]
+    assert tiles.response_unit.tolist() == [0, 1, 0]
+    assert tiles.prompt_mask()[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+    assert tiles.prompt_mask()[1, 0].int().tolist() == torch.ones(4, 4).tril().int().tolist()
+    # Row 0's response sees its prompt's two keys, then itself causally; row 1's its four and its one token.
+    assert tiles.response_mask()[0, 0].int().tolist() == [[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]]
+    assert tiles.response_mask()[1, 0].int().tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0]]
+    assert tiles.prompt_place.tolist() == [0, 1, 5, 6, 7, 8]
+    assert tiles.response_place.tolist() == [2, 3, 9, 4]
+    assert tiles.response_pick.tolist() == [0, 1, 2, 4]                      # (row, column) -> row * 2 + column
+
+
+def test_shared_prompt_logprobs_entropy_and_gradients_equal_padded(policy):
+    """Shared prompts in the attention tiles against the padded rows computed with eager
+    attention (another implementation): values and every parameter's gradient."""
+    import copy
+
+    shared_model = copy.deepcopy(policy)
+    assert choose_packing(shared_model, "cpu", True, True) == SHARED_PROMPTS
+    assert shared_model.config._attn_implementation == SHARED_PROMPT_ATTENTION
+    policy.set_attn_implementation("eager")
     ids, mask = _group_rows(policy.config.vocab_size)
     response = mask[:, 6:].bool()
     padded = response_logprobs_and_entropy(policy, ids, mask, 6, 0.7, entropy_grad=True)
-    shared = response_logprobs_and_entropy(policy, ids, mask, 6, 0.7, entropy_grad=True, pack=SHARED_PROMPTS)
+    shared = response_logprobs_and_entropy(shared_model, ids, mask, 6, 0.7, entropy_grad=True, pack=SHARED_PROMPTS)
     assert pack_shared_prompts(ids, mask, 6).plan.real_tokens == int(mask.sum()) - 2 * 6 - 1 * 3 - 2 * 1
     for name, want, got in zip(("logprobs", "entropy"), padded, shared):
         torch.testing.assert_close(got[response], want[response], rtol=0, atol=1e-5, msg=name)
         assert (got[~response] == 0).all(), name
+    (padded[0][response].sum() + padded[1][response].sum()).backward()
+    (shared[0][response].sum() + shared[1][response].sum()).backward()
+    for (name, want), got in zip(policy.named_parameters(), shared_model.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_shared_prompts_apply_on_gpus_with_packing(tiny_model, caplog):
+def test_a_model_with_shared_prompt_attention_still_runs_padded_rows(tiny_model):
+    """Other masks reach transformers' SDPA attention unchanged: the same logprobs as before."""
+    from pipeline.roles.forward import response_logprobs
+
+    model = load_causal_lm(tiny_model).eval()
+    ids, mask = _group_rows(model.config.vocab_size)
+    response = mask[:, 6:].bool()
+    before = response_logprobs(model, ids, mask, 6, 1.0)[response]
+    assert choose_packing(model, "cpu", True, True) == SHARED_PROMPTS
+    torch.testing.assert_close(response_logprobs(model, ids, mask, 6, 1.0)[response], before, rtol=0, atol=1e-6)
+    torch.testing.assert_close(response_logprobs(model, ids, mask, 6, 1.0, pack=True)[response], before,
+                               rtol=0, atol=1e-5)
+
+
+def test_shared_prompts_apply_with_packing(tiny_model):
     model = load_causal_lm(tiny_model)
     attention = model.config._attn_implementation
     assert choose_packing(model, "cuda", False, True) is False          # nothing packed: nothing shared
     assert choose_packing(model, "cuda:0", True, False) is True         # turned off
     assert model.config._attn_implementation == attention
-    assert choose_packing(model, "cuda:0", True, True) == SHARED_PROMPTS
-    on_cpu = load_causal_lm(tiny_model)
-    with caplog.at_level("INFO", logger="dask_rl"):
-        assert choose_packing(on_cpu, "cpu", True, True) is True        # a CPU packs rows, and says so once
-        assert choose_packing(on_cpu, "cpu", True, True) is True
-    assert [r.getMessage() for r in caplog.records] == [
-        "dask-rl: train.share_prompts applies on GPUs; on cpu the actor packs whole rows"]
-    assert model.config._attn_implementation == FLEX_ATTENTION          # what the block mask needs
+    assert choose_packing(model, "cpu", True, True) == SHARED_PROMPTS
+    assert model.config._attn_implementation == SHARED_PROMPT_ATTENTION  # what the tiles need
 
 
-def test_an_architecture_without_flex_attention_packs_rows_and_says_why(caplog):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_an_architecture_with_sliding_windows_packs_rows_and_says_why(caplog):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
-                                       bos_token_id=0, eos_token_id=0))
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=1)
+    model = Qwen2ForCausalLM(config)
     with caplog.at_level("WARNING", logger="dask_rl"):
         assert choose_packing(model, "cuda", True, True) is True
         assert choose_packing(model, "cuda", True, True) is True     # asked again: no second warning
-    assert model.config._attn_implementation != FLEX_ATTENTION
+    assert model.config._attn_implementation != SHARED_PROMPT_ATTENTION
     [warning] = [r.getMessage() for r in caplog.records]
-    assert "train.share_prompts needs FlexAttention, which GPT2LMHeadModel cannot run" in warning
+    assert "train.share_prompts cannot run on Qwen2ForCausalLM" in warning and "sliding_attention" in warning
 
 
 def test_share_prompts_config():
