@@ -22,8 +22,7 @@ as train.gradient_checkpointing defaults to. Two ways:
   the actor on a GPU;
 - packed, compile_model, shared prompts (--share-prompts): the same with train.share_prompts,
   each group of --samples rows (one prompt) run as its prompt once and then its responses,
-  attended in two dense tiles (pipeline/roles/shared_attention.py); and ", flex": the same
-  pairs through a FlexAttention block mask instead.
+  attended in two dense tiles a layer (pipeline/roles/shared_attention.py).
 
 --samples N gives every N consecutive rows one prompt, as a GRPO group's samples have (1:
 every row its own); `--max-response 256 --mean-response 1e9` makes every response 256 tokens.
@@ -167,8 +166,7 @@ def main(argv=None) -> dict:
     if args.compile_model:
         ways += [("packed, compile_model", "auto", True, True, None)]
     if args.share_prompts:
-        ways += [("packed, compile_model, shared prompts", "auto", SHARED_PROMPTS, True, None),
-                 ("packed, compile_model, shared prompts, flex", "auto", SHARED_PROMPTS, True, None)]
+        ways += [("packed, compile_model, shared prompts", "auto", SHARED_PROMPTS, True, None)]
     eager_projection = forward._project
     if args.only:
         ways = [way for way in ways if way[0].startswith(tuple(args.only))]
@@ -177,9 +175,7 @@ def main(argv=None) -> dict:
             model = copy.deepcopy(initial)
             if compiled_blocks:
                 forward.compile_blocks(model)
-            if name.endswith("flex"):   # the same pairs through a FlexAttention block mask
-                model.set_attn_implementation(forward.FLEX_ATTENTION)
-            elif pack == SHARED_PROMPTS:
+            if pack == SHARED_PROMPTS:
                 forward.choose_packing(model, "cuda", True, True)   # the attention tiles
             return model
         forward._project = forward._compiled_project if "projection" in name else eager_projection
@@ -191,8 +187,7 @@ def main(argv=None) -> dict:
         run(trainable, batch, micro_batch_size, pack)            # warm-up; the budget measures bytes per token
         warm_up = time.perf_counter() - began
         results[name] = {**run(trainable, batch, micro_batch_size, pack), "warm_up_seconds": warm_up}
-        if args.profile and name in ("packed", "packed, compile_model", "packed, compile_model, shared prompts",
-                                     "packed, compile_model, shared prompts, flex"):
+        if args.profile and name in ("packed", "packed, compile_model", "packed, compile_model, shared prompts"):
             profile(trainable, batch, micro_batch_size, pack)
         del trainable
         torch.cuda.empty_cache()

@@ -90,12 +90,12 @@ class TrainConfig:
     # Actor, critic and reference run on the rows' real tokens packed into full rows (no
     # padding computed, pipeline/packing.py); false: the padded rows as they are.
     pack_sequences: bool = True
-    # With packing, on GPUs, the actor computes a prompt once for all the rows that share it
-    # (a GRPO group's samples): one sequence of the prompt and its responses, each response
-    # attending to the prompt and itself through a FlexAttention block mask. Off by default:
-    # with 128-token prompts and 8 x 256-token responses it computes 27% fewer tokens, but the
-    # update on an H200 was only 6% faster: FlexAttention costs 2-3x cuDNN's attention over
-    # the whole rows (benchmarks/shared_attention.py).
+    # With packing, the actor computes a prompt once for all the rows that share it (a GRPO
+    # group's samples): one sequence of the prompt and its responses, each response attending
+    # to the prompt and itself (roles/shared_attention.py). Off by default: with 128-token
+    # prompts and 8 x 256-token responses it computes 27% fewer tokens, and on an H100 the
+    # batch-256 GRPO step took 1.69 against 1.75 s; on long-tailed lengths, where each
+    # response's attention is padded to the micro-batch's longest, it is not measured yet.
     share_prompts: bool = False
     # Actor and critic recompute each transformer block in the backward pass instead of
     # keeping its activations: far less GPU memory for about a third more update compute.

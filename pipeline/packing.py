@@ -193,7 +193,8 @@ class SharedPromptRows:
     def visible(self, row, head, query, key):
         """Whether position `query` of packed row `row` attends to position `key`: the key
         comes no later, in the same unit, from the prompt or the query's own response.
-        Tensors that broadcast; FlexAttention's mask_mod signature (`head` unused)."""
+        Tensors that broadcast, in FlexAttention's mask_mod signature (`head` unused): the
+        pairs the attention tiles (roles/shared_attention.py) compute, as one predicate."""
         unit, part = self.unit, self.part
         return ((key <= query) & (unit[row, query] == unit[row, key])
                 & ((part[row, key] == 0) | (part[row, key] == part[row, query])))

@@ -30,9 +30,10 @@ STRATEGIES = {
     "rollout": ("cuda_graph", "hf", "vllm"),
 }
 # The cuda_graph engine's options (a rollout role's `cuda_graph_args`) and the values each takes,
-# the default first: its decode attention (the Triton kernel, or SDPA) and whether it fuses each
-# layer's projections into fewer matrix products.
-CUDA_GRAPH_ARGS = {"decode_attention": ("kernel", "sdpa"), "fuse_projections": (True, False)}
+# the default first: its decode attention (the Triton kernel, or SDPA), whether it fuses each
+# layer's projections into fewer matrix products, and whether prefill passes run compiled.
+CUDA_GRAPH_ARGS = {"decode_attention": ("kernel", "sdpa"), "fuse_projections": (True, False),
+                   "compile_prefill": (False, True)}
 DEVICE_TYPES = ("cuda", "cpu")
 COMM_BACKENDS = ("nccl", "gloo", "auto")
 # How roles placed on one GPU share it: the NVIDIA driver's time slices (one process's kernels at a

@@ -26,9 +26,6 @@ logger = logging.getLogger("dask_rl")
 # step time (benchmarks/gpu_memory_variants.sh).
 LOGIT_CHUNK_TOKENS = 512
 
-# transformers' name of the attention that takes block masks (a group's prompt computed once).
-FLEX_ATTENTION = "flex_attention"
-
 # Models that cannot share prompts (an attention the tiles do not cover): they pack whole
 # rows, and the reason is logged once.
 _NOT_SHARING: weakref.WeakSet = weakref.WeakSet()
@@ -183,7 +180,7 @@ def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> 
     `pack_sequences`. (`device` is where it runs: sharing works on any.)"""
     if not (pack_sequences and share_prompts) or model in _NOT_SHARING:
         return pack_sequences
-    if getattr(model.config, "_attn_implementation", None) not in (SHARED_PROMPT_ATTENTION, FLEX_ATTENTION):
+    if getattr(model.config, "_attn_implementation", None) != SHARED_PROMPT_ATTENTION:
         try:
             attend_with_shared_prompts(model)
         except (ValueError, ImportError) as error:   # e.g. sliding-window layers
@@ -195,24 +192,13 @@ def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> 
 
 
 def shared_prompt_inputs(model, shared) -> dict:
-    """Keyword arguments of a transformers forward over SharedPromptRows: the tiles of
-    PromptsThenResponses for SHARED_PROMPT_ATTENTION, or a FlexAttention block mask where
-    the model attends with FlexAttention (benchmarks/packed_update.py compares the two)."""
-    rows, width = shared.input_ids.shape
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in (SHARED_PROMPT_ATTENTION, FLEX_ATTENTION):   # asked for directly, not via choose_packing
+    """Keyword arguments of a transformers forward over SharedPromptRows: the attention tiles
+    (PromptsThenResponses) as every layer's mask, the model switched to the attention that
+    reads them if it is not yet (a forward asked for SHARED_PROMPTS directly)."""
+    if getattr(model.config, "_attn_implementation", None) != SHARED_PROMPT_ATTENTION:
         attend_with_shared_prompts(model)
-    if attention == FLEX_ATTENTION:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        shared = on_device(shared, _device_of(model))   # a block mask is made where it is used
-
-        def visible(row, head, query, key):   # a plain function: FlexAttention reads its arity
-            return shared.visible(row, head, query, key)
-
-        mask = create_block_mask(visible, rows, None, width, width, device=shared.input_ids.device)
-    else:   # a dict of masks by layer type is used as it is, each layer handed its own
-        mask = {"full_attention": PromptsThenResponses.of(shared)}
+    # A dict of masks by layer type is used as it is, each layer handed its own.
+    mask = {"full_attention": PromptsThenResponses.of(shared)}
     return dict(input_ids=shared.input_ids, position_ids=shared.position_ids, attention_mask=mask, use_cache=False)
 
 

@@ -150,6 +150,26 @@ def test_the_compiled_decode_step_serves_refills_and_a_second_request(tiny_model
     assert engine.last_stats["slots"] == 16 and engine.last_stats["tokens"] == int(rollout.response_mask.sum())
 
 
+@pytest.mark.slow
+def test_compiled_prefill_passes_give_the_eager_ones_sequences(tiny_model, monkeypatch):
+    """cuda_graph_args.compile_prefill: the prefill passes through torch.compile (dynamic
+    shapes; Inductor on the CPU here) sample the same first tokens as eagerly, over passes of
+    different widths and sizes, and the logprobs still equal the actor's."""
+    model, tokenizer = load_causal_lm(tiny_model), load_tokenizer(tiny_model)
+    eos = tokenizer.eos_token_id
+    monkeypatch.setattr(continuous, "PREFILL_PASS_TOKENS", 3 * 16)   # several passes, the last short
+    request = _request(tokenizer, prompts=8, samples=2, new_tokens=6)
+    rollouts = []
+    for compiled in (False, True):
+        engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu", max_batch_size=16,
+                                 prompt_bucket=16, compile_prefill=compiled)
+        rollouts.append(engine.generate(request, policy_version=0))
+        assert engine.last_stats["prefill_passes"] == 6
+    assert torch.equal(rollouts[0].input_ids, rollouts[1].input_ids)
+    torch.testing.assert_close(rollouts[1].behavior_logprobs, rollouts[0].behavior_logprobs, atol=2e-5, rtol=0)
+    _check_against_the_actor(model, request, rollouts[1], eos)
+
+
 def test_fewer_slots_live_within_the_rings_largest_cache(model_and_tokenizer):
     """Caches of fewer slots over one ring are views of its largest; a larger one replaces
     them; moving rows between two caches that share storage moves the right rows."""

@@ -146,23 +146,18 @@ def test_a_compiled_actor_step_matches_the_eager_one(model):
     assert compiled["entropy_sum"] == pytest.approx(eager["entropy_sum"], rel=0.01)
 
 
-@pytest.mark.parametrize("attention", ["tiles", "flex"])
-def test_shared_prompts_match_padded_in_bf16(model, rows, attention):
+def test_shared_prompts_match_padded_in_bf16(model, rows):
     """train.share_prompts on a GPU: groups of four rows with one prompt each run as one
-    sequence per group, attended in the two dense tiles (the default) or through a
-    FlexAttention block mask, forward and backward, and give the padded rows' logprobs and
-    gradients within bf16 rounding."""
+    sequence per group, attended in the two dense tiles a layer, forward and backward, and
+    give the padded rows' logprobs and gradients within bf16 rounding."""
     import copy
 
     from pipeline.packing import SHARED_PROMPTS, pack_shared_prompts
-    from pipeline.roles.forward import FLEX_ATTENTION, choose_packing
+    from pipeline.roles.forward import choose_packing
 
     ids, mask = share_prompts(*rows, PROMPT, 4)
     shared_model = copy.deepcopy(model).train()
-    if attention == "flex":
-        shared_model.set_attn_implementation(FLEX_ATTENTION)
-    else:
-        assert choose_packing(shared_model, "cuda", True, True) == SHARED_PROMPTS
+    assert choose_packing(shared_model, "cuda", True, True) == SHARED_PROMPTS
     padded_model = copy.deepcopy(model).train()
     chunk = slice(0, 8)
     real = mask[chunk, PROMPT:].bool()
@@ -170,7 +165,7 @@ def test_shared_prompts_match_padded_in_bf16(model, rows, attention):
     shared = response_logprobs(shared_model, ids[chunk], mask[chunk], PROMPT, 1.0, pack=SHARED_PROMPTS)
     diff = (shared.float() - padded.float())[real].abs()
     plan = pack_shared_prompts(ids[chunk], mask[chunk], PROMPT).plan
-    print(f"shared prompts ({attention}) vs padded logprobs over {int(real.sum())} tokens: mean abs diff "
+    print(f"shared prompts vs padded logprobs over {int(real.sum())} tokens: mean abs diff "
           f"{diff.mean():.4f}, max {diff.max():.4f}; computed tokens {plan.computed_tokens} against "
           f"{int(mask[chunk].sum())} real ones unshared")
     assert diff.mean() < 0.02 and diff.max() < 0.5

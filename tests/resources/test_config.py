@@ -131,9 +131,11 @@ def test_mapping_source_and_pickle():
 
 
 def test_cuda_graph_args_reach_the_engine_and_survive_changes_to_other_roles():
-    config = load_resource_config(cuda_graph_rollout({"decode_attention": "sdpa", "fuse_projections": False}),
+    config = load_resource_config(cuda_graph_rollout({"decode_attention": "sdpa", "fuse_projections": False,
+                                                      "compile_prefill": True}),
                                   gpus=GPUS)
-    assert config.role("rollout").engine_kwargs == {"decode_attention": "sdpa", "fuse_projections": False}
+    assert config.role("rollout").engine_kwargs == {"decode_attention": "sdpa", "fuse_projections": False,
+                                                    "compile_prefill": True}
     assert load_resource_config(DESIGN, gpus=GPUS).role("rollout").engine_kwargs == DESIGN["rollout"]["vllm_args"]
     wider = with_role(config, RoleSpec("reward", "cuda", (2, 4), 2, "data_parallel"), gpus=GPUS)
     assert wider.role("rollout") == config.role("rollout")
@@ -292,7 +294,7 @@ BAD_FILES = {
     "cuda graph args misspelt": (cuda_graph_rollout({"decode_atention": "sdpa"}),
                                  ["rollout.cuda_graph_args.decode_atention: not an option of the cuda_graph engine "
                                   "(did you mean 'decode_attention'?)",
-                                  "Fix: use decode_attention or fuse_projections."]),
+                                  "Fix: use decode_attention or fuse_projections or compile_prefill."]),
     "cuda graph attention": (cuda_graph_rollout({"decode_attention": "flash"}),
                              ["rollout.cuda_graph_args.decode_attention: 'flash': not 'kernel' or 'sdpa'",
                               "Fix: use decode_attention: 'kernel' (the default) or 'sdpa'."]),
