@@ -76,7 +76,7 @@ class ActorRole:
         """The packing of this actor's forwards (forward.choose_packing; a sharded model packs rows)."""
         if self.trainer.sharded:
             return pack_sequences
-        return choose_packing(self.trainer.model, self.device, pack_sequences, share_prompts)
+        return choose_packing(self.trainer.model, pack_sequences, share_prompts)
 
     def warm_up(self, temperature: float, entropy_grad: bool, pack: bool, proximal: bool,
                 share_prompts: bool = False) -> float | None:
@@ -89,7 +89,7 @@ class ActorRole:
         start = time.perf_counter()
         pack = self.packing(pack, share_prompts)
         model = self.trainer.model
-        ids, mask, prompt = warm_up_batch(model.config.vocab_size, self.device)
+        ids, mask, prompt = warm_up_batch(model.config.vocab_size)
 
         def loss(model):   # the forward of _loss; the graphs compile for its inputs' shapes and modes
             logp, entropy = response_logprobs_and_entropy(model, ids, mask, prompt, temperature,

@@ -64,8 +64,9 @@ def compile_blocks(model) -> None:
         block.compile(dynamic=True)
 
 
-def warm_up_batch(vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(ids, attention mask, prompt length) of a small made-up batch shaped as an update's:
+def warm_up_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids, attention mask, prompt length) of a small made-up batch shaped as an update's, on
+    the CPU as an update's rows come:
     left-padded prompts, responses of different lengths cut by padding, more response tokens
     than one projection chunk and not a multiple of it. Run through a compiled model it
     compiles what the update's first micro-batch would (dynamic shapes: real lengths reuse it)."""
@@ -75,7 +76,7 @@ def warm_up_batch(vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor, 
     mask = torch.ones_like(ids)
     mask[1, :5] = 0                          # a left-padded prompt
     mask[1, prompt + responses[1]:] = 0      # a shorter response
-    return ids.to(device), mask.to(device), prompt
+    return ids, mask, prompt
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -170,14 +171,13 @@ def on_device(value, device):
 
 
 def _device_of(model) -> torch.device:
-    parameter = next(model.parameters())
-    return parameter.device
+    return next(model.parameters()).device
 
 
-def choose_packing(model, device, pack_sequences: bool, share_prompts: bool) -> bool | str:
+def choose_packing(model, pack_sequences: bool, share_prompts: bool) -> bool | str:
     """The packing of `model`'s forwards: SHARED_PROMPTS where prompts are to be shared and
     the model can attend with SHARED_PROMPT_ATTENTION (switched to it here), else
-    `pack_sequences`. (`device` is where it runs: sharing works on any.)"""
+    `pack_sequences`."""
     if not (pack_sequences and share_prompts) or model in _NOT_SHARING:
         return pack_sequences
     if getattr(model.config, "_attn_implementation", None) != SHARED_PROMPT_ATTENTION:

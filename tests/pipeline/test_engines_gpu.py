@@ -62,6 +62,28 @@ def test_graph_logprobs_match_the_actor_and_survive_a_weight_update(model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a weight update must not recompile"
 
 
+def test_compiled_prefill_matches_the_actor_over_passes_of_several_sizes(model, monkeypatch):
+    """cuda_graph_args.compile_prefill: prefill passes through torch.compile (dynamic shapes)
+    of several sizes (the pass cap splits the prompts), then captured decode steps: the
+    logprobs stay those of the actor's forward, and a second request compiles nothing new."""
+    import torch._dynamo.utils
+
+    from pipeline.engines import continuous
+
+    monkeypatch.setattr(continuous, "PREFILL_PASS_TOKENS", 20 * 64)   # 64 rows of 64 columns: passes of 20, 20, 20, 4
+    engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", compile_prefill=True)
+    rollout = engine.generate(_request(), 0)
+    assert engine.last_stats["prefill_passes"] >= 3
+    diff = _difference(model, rollout)
+    print(f"compiled prefill: bf16 logprob difference to the actor forward: mean {diff.mean():.4f}, "
+          f"max {diff.max():.4f} over {engine.last_stats['prefill_passes']} prefill passes")
+    assert diff.mean() < 0.02 and diff.max() < 0.25
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = engine.generate(_request(seed=1), 0)
+    assert _difference(model, again).mean() < 0.02
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_graph_loop_stops_at_eos(model):
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda")
     lm_head = model.get_output_embeddings()

@@ -157,7 +157,7 @@ def test_shared_prompts_match_padded_in_bf16(model, rows):
 
     ids, mask = share_prompts(*rows, PROMPT, 4)
     shared_model = copy.deepcopy(model).train()
-    assert choose_packing(shared_model, "cuda", True, True) == SHARED_PROMPTS
+    assert choose_packing(shared_model, True, True) == SHARED_PROMPTS
     padded_model = copy.deepcopy(model).train()
     chunk = slice(0, 8)
     real = mask[chunk, PROMPT:].bool()

@@ -115,7 +115,7 @@ def test_shared_prompt_logprobs_entropy_and_gradients_equal_padded(policy):
     import copy
 
     shared_model = copy.deepcopy(policy)
-    assert choose_packing(shared_model, "cpu", True, True) == SHARED_PROMPTS
+    assert choose_packing(shared_model, True, True) == SHARED_PROMPTS
     assert shared_model.config._attn_implementation == SHARED_PROMPT_ATTENTION
     policy.set_attn_implementation("eager")
     ids, mask = _group_rows(policy.config.vocab_size)
@@ -140,7 +140,7 @@ def test_a_model_with_shared_prompt_attention_still_runs_padded_rows(tiny_model)
     ids, mask = _group_rows(model.config.vocab_size)
     response = mask[:, 6:].bool()
     before = response_logprobs(model, ids, mask, 6, 1.0)[response]
-    assert choose_packing(model, "cpu", True, True) == SHARED_PROMPTS
+    assert choose_packing(model, True, True) == SHARED_PROMPTS
     torch.testing.assert_close(response_logprobs(model, ids, mask, 6, 1.0)[response], before, rtol=0, atol=1e-6)
     torch.testing.assert_close(response_logprobs(model, ids, mask, 6, 1.0, pack=True)[response], before,
                                rtol=0, atol=1e-5)
@@ -149,10 +149,10 @@ def test_a_model_with_shared_prompt_attention_still_runs_padded_rows(tiny_model)
 def test_shared_prompts_apply_with_packing(tiny_model):
     model = load_causal_lm(tiny_model)
     attention = model.config._attn_implementation
-    assert choose_packing(model, "cuda", False, True) is False          # nothing packed: nothing shared
-    assert choose_packing(model, "cuda:0", True, False) is True         # turned off
+    assert choose_packing(model, False, True) is False    # nothing packed: nothing shared
+    assert choose_packing(model, True, False) is True     # turned off
     assert model.config._attn_implementation == attention
-    assert choose_packing(model, "cpu", True, True) == SHARED_PROMPTS
+    assert choose_packing(model, True, True) == SHARED_PROMPTS
     assert model.config._attn_implementation == SHARED_PROMPT_ATTENTION  # what the tiles need
 
 
@@ -164,8 +164,8 @@ def test_an_architecture_with_sliding_windows_packs_rows_and_says_why(caplog):
                          max_window_layers=1)
     model = Qwen2ForCausalLM(config)
     with caplog.at_level("WARNING", logger="dask_rl"):
-        assert choose_packing(model, "cuda", True, True) is True
-        assert choose_packing(model, "cuda", True, True) is True     # asked again: no second warning
+        assert choose_packing(model, True, True) is True
+        assert choose_packing(model, True, True) is True     # asked again: no second warning
     assert model.config._attn_implementation != SHARED_PROMPT_ATTENTION
     [warning] = [r.getMessage() for r in caplog.records]
     assert "train.share_prompts cannot run on Qwen2ForCausalLM" in warning and "sliding_attention" in warning
@@ -176,3 +176,33 @@ def test_share_prompts_config():
     assert make_train_config({"share_prompts": True}).share_prompts is True
     with pytest.raises(TrainConfigError, match="share_prompts"):
         make_train_config({"share_prompts": "yes"})
+
+
+def test_grpo_with_shared_prompts_trains_as_without(shared_cluster, shared_config, tiny_model, prompts):
+    """End to end on the CPU cluster: on-policy GRPO (groups of 4 samples a prompt) with
+    train.share_prompts gives the same rewards, tokens and losses, step for step, as the same
+    run packing whole rows: the same sums, in another order of additions."""
+    from pipeline.fleet.tasks import submit
+    from pipeline.rewards import digit_fraction
+    from pipeline.trainer import HybridTrainer
+
+    runs, attention = [], []
+    for share in (False, True):
+        with HybridTrainer(tiny_model, digit_fraction, shared_config, algorithm="grpo", prompts=prompts,
+                           cluster=shared_cluster, steps=2, samples_per_prompt=4, prompts_per_step=4,
+                           max_new_tokens=8, actor_lr=1e-3, kl_coef=0.0, share_prompts=share,
+                           show_progress=False) as trainer:
+            runs.append(trainer.train())
+            attention.append(submit(shared_cluster.client, "actor", _actor_attention).result())
+    assert attention == ["sdpa", SHARED_PROMPT_ATTENTION]   # the second run did share its prompts
+    plain, shared = runs
+    assert [(r.reward_mean, r.tokens) for r in shared] == [(r.reward_mean, r.tokens) for r in plain]
+    for a, b in zip(plain, shared):
+        for key in ("policy_loss", "grad_norm", "entropy"):
+            assert b.losses[key] == pytest.approx(a.losses[key], rel=1e-4, abs=1e-6), (a.step, key)
+
+
+def _actor_attention() -> str:
+    from pipeline.roles.host import role_state
+
+    return role_state("actor").trainer.model.config._attn_implementation
