@@ -155,7 +155,7 @@ def _packed_scores(model, separable: bool, project, input_ids, attention_mask, p
 
 
 def on_device(value, device):
-    """`value` (a tensor, a dict of them by layer type, a dataclass of them, or anything else,
+    """`value` (a tensor, or a dict, tuple or dataclass of such values, or anything else,
     returned as it is) on `device`. From the CPU to a GPU through pinned memory and without
     blocking: a copy from pageable memory would wait for all the GPU's queued work first."""
     if isinstance(value, torch.Tensor):
@@ -164,6 +164,8 @@ def on_device(value, device):
         return value.to(device)
     if isinstance(value, dict):
         return {key: on_device(item, device) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(on_device(item, device) for item in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(value, **{field.name: on_device(getattr(value, field.name), device)
                                              for field in dataclasses.fields(value)})

@@ -91,22 +91,29 @@ def _group_rows(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(rows)[order], torch.stack(masks)[order]
 
 
-def test_attention_tiles_by_hand():
+def test_attention_tiles_by_hand(monkeypatch):
     """The hand rows' units as tiles: prompts [5, 6] (flat 0-1) and [4, 5, 6, 7] (5-8);
-    responses [7, 8] (2-3), [3] (9) and [9] (4)."""
+    responses [7, 8] (2-3), [3] (9) and [9] (4), in tiles by length."""
+    from pipeline.roles import shared_attention
+
     shared = pack_shared_prompts(*_hand_rows(), PROMPT)
     tiles = PromptsThenResponses.of(shared)
-    assert tiles.prompt_gather.tolist() == [[0, 1, 0, 0], [5, 6, 7, 8]]       # past a prompt's end: its start
-    assert tiles.response_gather.tolist() == [[2, 3], [9, 9], [4, 4]]
-    assert tiles.response_unit.tolist() == [0, 1, 0]
+    prompts = tiles.prompts
+    assert prompts.gather.tolist() == [[0, 1, 0, 0], [5, 6, 7, 8]]           # past a prompt's end: its start
     assert tiles.prompt_mask()[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
     assert tiles.prompt_mask()[1, 0].int().tolist() == torch.ones(4, 4).tril().int().tolist()
-    # Row 0's response sees its prompt's two keys, then itself causally; row 1's its four and its one token.
-    assert tiles.response_mask()[0, 0].int().tolist() == [[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]]
-    assert tiles.response_mask()[1, 0].int().tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0]]
-    assert tiles.prompt_place.tolist() == [0, 1, 5, 6, 7, 8]
-    assert tiles.response_place.tolist() == [2, 3, 9, 4]
-    assert tiles.response_pick.tolist() == [0, 1, 2, 4]                      # (row, column) -> row * 2 + column
+    # Three rows, three tiles, the shortest responses first: row 1's [3], row 2's [9], row 0's [7, 8].
+    assert [tile.gather.tolist() for tile in tiles.responses] == [[[9]], [[4]], [[2, 3]]]
+    assert [tile.unit.tolist() for tile in tiles.responses] == [[1], [0], [0]]
+    # Row 1's response sees its prompt's four keys and itself; row 0's its prompt's two, then itself causally.
+    assert tiles.response_mask(tiles.responses[0])[0, 0].int().tolist() == [[1, 1, 1, 1, 1]]
+    assert tiles.response_mask(tiles.responses[2])[0, 0].int().tolist() == [[1, 1, 0, 0, 1, 0],
+                                                                             [1, 1, 0, 0, 1, 1]]
+    assert tiles.place.tolist() == [0, 1, 5, 6, 7, 8, 9, 4, 2, 3]
+    # One tile: as wide as the longest response; a row's padding repeats its first token.
+    monkeypatch.setattr(shared_attention, "RESPONSE_TILES", 1)
+    [tile] = PromptsThenResponses.of(shared).responses
+    assert tile.gather.tolist() == [[9, 9], [4, 4], [2, 3]] and tile.pick.tolist() == [0, 2, 4, 5]
 
 
 def test_shared_prompt_logprobs_entropy_and_gradients_equal_padded(policy):
