@@ -108,7 +108,7 @@ def _causal(width: int, device) -> torch.Tensor:
 
 def attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function signature: (N, heads, W, d) query, key and value ->
-    ((N, W, heads, d) output, None). A PromptsThenResponses mask runs the two tiles;
+    ((N, W, heads, d) output, None). A PromptsThenResponses mask runs its tiles;
     anything else is transformers' SDPA attention."""
     if not isinstance(attention_mask, PromptsThenResponses):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
