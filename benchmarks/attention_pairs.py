@@ -47,8 +47,8 @@ def main(argv=None) -> None:
           f"{sum(responses) / len(responses):.0f} (longest {max(responses)}): millions of attention pairs")
     for count in args.tiles:
         shared_attention.RESPONSE_TILES = count
-        print(f"  shared prompts, {count} response tile{'s' if count > 1 else ''}: "
-              f"{tile_pairs(shared_attention.PromptsThenResponses.of(shared)) / 1e6:.1f}")
+        tiles = shared_attention.PromptsThenResponses.of(shared)
+        print(f"  shared prompts, RESPONSE_TILES {count} ({len(tiles.responses)} made): {tile_pairs(tiles) / 1e6:.1f}")
     packed = pack_rows(ids, mask).input_ids.shape
     print(f"  whole rows packed ({packed[0]} rows of {packed[1]}): {packed[0] * packed[1] ** 2 / 1e6:.1f}")
     needed = sum((args.prompt + r) * (args.prompt + r + 1) // 2 for r in responses)

@@ -68,8 +68,8 @@ class Tile:
 @dataclass(frozen=True)
 class PromptsThenResponses:
     """A packed micro-batch's prompts and responses as the attention's tiles: `prompts`,
-    one span per unit; `responses`, the rows' responses in RESPONSE_TILES tiles (fewer for
-    fewer rows) of similar lengths; `place`: (T,) the flat index into N*W of every real token
+    one span per unit; `responses`, the rows' responses in RESPONSE_TILES tiles of similar
+    lengths (fewer for fewer rows, or where two would be as wide: one for equal lengths); `place`: (T,) the flat index into N*W of every real token
     of the tiles, prompts first, then each response tile's, where its output goes. The masks
     are made from these in the attention itself: inside a compiled block their sizes then
     follow these tensors' and are never compiled in as constants."""
@@ -84,8 +84,15 @@ class PromptsThenResponses:
         units = torch.arange(shared.prompt_start.shape[0], device=shared.prompt_start.device)
         prompts = Tile.of(shared.prompt_start, shared.prompt_tokens, units)
         order = torch.argsort(shared.response_tokens, stable=True)
+        cuts: list[torch.Tensor] = []
+        for rows in order.tensor_split(min(RESPONSE_TILES, max(len(order), 1))):
+            # A cut as wide as the one before joins it: the same tile, in fewer calls.
+            if cuts and shared.response_tokens[rows].max() == shared.response_tokens[cuts[-1]].max():
+                cuts[-1] = torch.cat([cuts[-1], rows])
+            else:
+                cuts.append(rows)
         responses = tuple(Tile.of(shared.response_start[rows], shared.response_tokens[rows], shared.row_unit[rows])
-                          for rows in order.tensor_split(min(RESPONSE_TILES, max(len(order), 1))))
+                          for rows in cuts)
         place = torch.cat([prompts.places] + [tile.places for tile in responses])
         return cls(prompts, responses, place)
 

@@ -102,14 +102,20 @@ def test_attention_tiles_by_hand(monkeypatch):
     assert prompts.gather.tolist() == [[0, 1, 0, 0], [5, 6, 7, 8]]           # past a prompt's end: its start
     assert tiles.prompt_mask()[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
     assert tiles.prompt_mask()[1, 0].int().tolist() == torch.ones(4, 4).tril().int().tolist()
-    # Three rows, three tiles, the shortest responses first: row 1's [3], row 2's [9], row 0's [7, 8].
-    assert [tile.gather.tolist() for tile in tiles.responses] == [[[9]], [[4]], [[2, 3]]]
-    assert [tile.unit.tolist() for tile in tiles.responses] == [[1], [0], [0]]
-    # Row 1's response sees its prompt's four keys and itself; row 0's its prompt's two, then itself causally.
-    assert tiles.response_mask(tiles.responses[0])[0, 0].int().tolist() == [[1, 1, 1, 1, 1]]
-    assert tiles.response_mask(tiles.responses[2])[0, 0].int().tolist() == [[1, 1, 0, 0, 1, 0],
+    # Three rows cut three ways, the shortest responses first: row 1's [3] and row 2's [9],
+    # as wide as each other, share a tile; row 0's [7, 8] has its own.
+    assert [tile.gather.tolist() for tile in tiles.responses] == [[[9], [4]], [[2, 3]]]
+    assert [tile.unit.tolist() for tile in tiles.responses] == [[1, 0], [0]]
+    # Row 1's response sees its prompt's four keys and itself, row 2's its prompt's two and
+    # itself; row 0's its prompt's two, then itself causally.
+    assert tiles.response_mask(tiles.responses[0])[:, 0].int().tolist() == [[[1, 1, 1, 1, 1]], [[1, 1, 0, 0, 1]]]
+    assert tiles.response_mask(tiles.responses[1])[0, 0].int().tolist() == [[1, 1, 0, 0, 1, 0],
                                                                              [1, 1, 0, 0, 1, 1]]
     assert tiles.place.tolist() == [0, 1, 5, 6, 7, 8, 9, 4, 2, 3]
+    # Responses of one length make one tile whatever RESPONSE_TILES says.
+    equal_ids, equal_mask = _hand_rows()
+    equal_mask[0, 5] = 0   # row 0 keeps one response token, as rows 1 and 2 have
+    assert len(PromptsThenResponses.of(pack_shared_prompts(equal_ids, equal_mask, PROMPT)).responses) == 1
     # One tile: as wide as the longest response; a row's padding repeats its first token.
     monkeypatch.setattr(shared_attention, "RESPONSE_TILES", 1)
     [tile] = PromptsThenResponses.of(shared).responses
