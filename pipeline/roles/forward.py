@@ -12,7 +12,9 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
 from pipeline.packing import SHARED_PROMPTS, pack_rows, pack_shared_prompts, response_slots, unpack_responses
-from pipeline.roles.shared_attention import SHARED_PROMPT_ATTENTION, PromptsThenResponses, attend_with_shared_prompts
+from pipeline.roles.shared_attention import (
+    SHARED_PROMPT_ATTENTION, PromptsThenResponses, attend_with_shared_prompts, tiles_inputs,
+)
 from resources.allocator import free_bytes, in_chunks, rows_per_micro_batch
 
 logger = logging.getLogger("dask_rl")
@@ -178,30 +180,54 @@ def _device_of(model) -> torch.device:
 
 def choose_packing(model, pack_sequences: bool, share_prompts: bool) -> bool | str:
     """The packing of `model`'s forwards: SHARED_PROMPTS where prompts are to be shared and
-    the model can attend with SHARED_PROMPT_ATTENTION (switched to it here), else
-    `pack_sequences`."""
+    the model attends with SHARED_PROMPT_ATTENTION (switched to it here) and, on two made-up
+    rows of one prompt, gives the padded rows' logprobs; else `pack_sequences`, its
+    attention as it was and the reason logged once."""
     if not (pack_sequences and share_prompts) or model in _NOT_SHARING:
         return pack_sequences
     if getattr(model.config, "_attn_implementation", None) != SHARED_PROMPT_ATTENTION:
+        before = getattr(model.config, "_attn_implementation", None)
         try:
             attend_with_shared_prompts(model)
-        except (ValueError, ImportError) as error:   # e.g. sliding-window layers
+            _check_shared_prompts(model)
+        except (ValueError, ImportError, RuntimeError) as error:   # e.g. sliding-window layers
             _NOT_SHARING.add(model)
+            if before and getattr(model.config, "_attn_implementation", None) != before:
+                model.set_attn_implementation(before)
             logger.warning("dask-rl: train.share_prompts cannot run on %s (%s); the actor packs whole rows instead",
                            type(model).__name__, error)
             return pack_sequences
     return SHARED_PROMPTS
 
 
+def _check_shared_prompts(model) -> None:
+    """Raises RuntimeError unless two rows of one prompt give the same response logprobs
+    with the prompt shared as padded (bf16 rounding aside)."""
+    ids = torch.tensor([[0, 2, 3, 4, 5, 6], [0, 2, 3, 4, 6, 0]]) % model.config.vocab_size
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]])   # one left-padded prompt, two responses
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            padded = response_logprobs(model, ids, mask, 4, 1.0)
+            shared = response_logprobs(model, ids, mask, 4, 1.0, pack=SHARED_PROMPTS)
+    finally:
+        model.train(training)
+    real = mask[:, 4:].bool().to(padded.device)
+    low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    if not torch.allclose(shared[real], padded[real], rtol=0, atol=5e-2 if low_precision else 1e-4):
+        raise RuntimeError("its logprobs with a shared prompt differ from the padded rows'")
+
+
 def shared_prompt_inputs(model, shared) -> dict:
     """Keyword arguments of a transformers forward over SharedPromptRows: the attention tiles
-    (PromptsThenResponses) as every layer's mask, the model switched to the attention that
-    reads them if it is not yet (a forward asked for SHARED_PROMPTS directly)."""
+    (PromptsThenResponses), which transformers passes down to every attention call, the model
+    switched to the attention that reads them if it is not yet (a forward asked for
+    SHARED_PROMPTS directly)."""
     if getattr(model.config, "_attn_implementation", None) != SHARED_PROMPT_ATTENTION:
         attend_with_shared_prompts(model)
-    # A dict of masks by layer type is used as it is, each layer handed its own.
-    mask = {"full_attention": PromptsThenResponses.of(shared)}
-    return dict(input_ids=shared.input_ids, position_ids=shared.position_ids, attention_mask=mask, use_cache=False)
+    return dict(input_ids=shared.input_ids, position_ids=shared.position_ids, use_cache=False,
+                **tiles_inputs(PromptsThenResponses.of(shared)))
 
 
 def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -17,8 +17,9 @@ ran 2-3x slower than cuDNN's attention over whole rows on an H200
 (benchmarks/shared_attention.py), which ate what the shorter rows saved.
 
 The model attends with SHARED_PROMPT_ATTENTION, a name registered with transformers'
-attention interface: handed a PromptsThenResponses as its attention mask it runs the above,
-handed anything else it is transformers' SDPA attention, masks and all.
+attention interface: handed a PromptsThenResponses (the forward's TILES keyword, which
+transformers passes down to every attention call) it runs the above, else it is
+transformers' SDPA attention, masks and all.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 SHARED_PROMPT_ATTENTION = "dask_rl_shared_prompts"
+# The forward's keyword argument that carries the tiles: transformers hands a model's extra
+# keyword arguments down to every attention call.
+TILES = "shared_prompt_tiles"
 
 # Responses are attended in this many tiles, the rows sorted by response length and cut into
 # tiles of about equal rows, each as wide as its longest response: with long-tailed lengths
@@ -113,13 +117,24 @@ def _causal(width: int, device) -> torch.Tensor:
     return torch.ones(width, width, dtype=torch.bool, device=device).tril()
 
 
+def tiles_inputs(tiles: PromptsThenResponses) -> dict:
+    """The keyword arguments of a forward whose attention runs `tiles`: the tiles, and as its
+    attention mask a placeholder of four dimensions, which transformers takes as a mask
+    already made (it would otherwise build one over every pair of each packed row) and the
+    tiled attention never reads."""
+    return {TILES: tiles, "attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool)}
+
+
 def attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function signature: (N, heads, W, d) query, key and value ->
-    ((N, W, heads, d) output, None). A PromptsThenResponses mask runs its tiles;
-    anything else is transformers' SDPA attention."""
-    if not isinstance(attention_mask, PromptsThenResponses):
+    ((N, W, heads, d) output, None). Given tiles (the TILES keyword) it runs them; without,
+    it is transformers' SDPA attention, mask and all."""
+    layout = kwargs.pop(TILES, None)
+    if layout is None:
+        if attention_mask is not None and attention_mask.shape == (1, 1, 1, 1) and query.shape[2] > 1:
+            raise RuntimeError(f"{type(module).__name__} was not handed the shared-prompt tiles: this model does "
+                               "not pass its forward's keyword arguments down to its attention")
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    layout = attention_mask
     rows, heads, width, dim = query.shape
     query, key, value = (t.transpose(1, 2).reshape(rows * width, t.shape[1], dim) for t in (query, key, value))
 

@@ -176,12 +176,51 @@ def test_an_architecture_with_sliding_windows_packs_rows_and_says_why(caplog):
                          num_key_value_heads=1, vocab_size=64, use_sliding_window=True, sliding_window=8,
                          max_window_layers=1)
     model = Qwen2ForCausalLM(config)
+    attention = model.config._attn_implementation
     with caplog.at_level("WARNING", logger="dask_rl"):
         assert choose_packing(model, True, True) is True
         assert choose_packing(model, True, True) is True     # asked again: no second warning
-    assert model.config._attn_implementation != SHARED_PROMPT_ATTENTION
+    assert model.config._attn_implementation == attention   # left as it was
     [warning] = [r.getMessage() for r in caplog.records]
     assert "train.share_prompts cannot run on Qwen2ForCausalLM" in warning and "sliding_attention" in warning
+
+
+def _tiny(architecture: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if architecture == "gpt2":   # learned positions, a fused query/key/value projection
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                          bos_token_id=0, eos_token_id=0)).eval()
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64)).eval()
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_other_architectures_share_prompts_as_well(architecture):
+    """The tiles reach the attention through transformers' keyword arguments, whatever the
+    architecture builds its masks from: GPT-2 and Llama give the padded rows' logprobs."""
+    from pipeline.roles.forward import response_logprobs
+
+    model = _tiny(architecture)
+    ids, mask = _group_rows(model.config.vocab_size)
+    response = mask[:, 6:].bool()
+    padded = response_logprobs(model, ids, mask, 6, 1.0)[response]
+    assert choose_packing(model, True, True) == SHARED_PROMPTS
+    shared = response_logprobs(model, ids, mask, 6, 1.0, pack=SHARED_PROMPTS)[response]
+    torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
+
+
+def test_the_tiles_placeholder_mask_is_never_attended_as_a_mask():
+    """A model that would not hand the tiles down to its attention meets the placeholder mask
+    alone: an error naming the cause, never an attention over every pair."""
+    from pipeline.roles.shared_attention import attention, tiles_inputs
+
+    model = _tiny("llama")
+    placeholder = tiles_inputs(None)["attention_mask"]
+    query = torch.randn(1, 4, 3, 8)
+    with pytest.raises(RuntimeError, match="not handed the shared-prompt tiles"):
+        attention(model.model.layers[0].self_attn, query, query[:, :2], query[:, :2], placeholder)
 
 
 def test_share_prompts_config():
