@@ -205,14 +205,15 @@ def _check_shared_prompts(model) -> None:
     with the prompt shared as padded (bf16 rounding aside)."""
     ids = torch.tensor([[0, 2, 3, 4, 5, 6], [0, 2, 3, 4, 6, 0]]) % model.config.vocab_size
     mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]])   # one left-padded prompt, two responses
-    training = model.training
+    modes = [(module, module.training) for module in model.modules()]   # e.g. checkpointing blocks left on
     model.eval()
-    try:
-        with torch.no_grad():
+    try:   # eagerly: compiled blocks would compile for these two rows' shapes
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             padded = response_logprobs(model, ids, mask, 4, 1.0)
             shared = response_logprobs(model, ids, mask, 4, 1.0, pack=SHARED_PROMPTS)
     finally:
-        model.train(training)
+        for module, training in modes:
+            module.training = training
     real = mask[:, 4:].bool().to(padded.device)
     low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
     if not torch.allclose(shared[real], padded[real], rtol=0, atol=5e-2 if low_precision else 1e-4):
