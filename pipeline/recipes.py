@@ -38,7 +38,7 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
     if "reference" in roles:
         recipes["reference"] = functools.partial(reference.ReferenceRole, model_dir(reference_model, "reference"),
                                                  dtype=tc.dtype, micro_batch_size=tc.micro_batch_size,
-                                                 pack_sequences=tc.pack_sequences)
+                                                 pack_sequences=tc.pack_sequences, share_prompts=tc.share_prompts)
     if "critic" in roles:
         recipes["critic"] = functools.partial(
             critic.CriticRole, model_dir(critic_model, "critic"), lr=tc.critic_lr,

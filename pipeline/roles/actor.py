@@ -53,7 +53,7 @@ class PolicyStep:
     entropy_coef: float = 0.0             # weight of the entropy bonus (the entropy is measured anyway)
     lr: float | None = None               # learning rate of this update (None: leave the optimizer's)
     pack_sequences: bool = True           # forwards over the rows' real tokens, packed (pipeline/packing.py)
-    share_prompts: bool = False           # and a group's prompt computed once, on GPUs (forward.choose_packing)
+    share_prompts: bool = False           # and a group's prompt computed once (forward.choose_packing)
 
 
 class ActorRole:

@@ -5,20 +5,21 @@ from __future__ import annotations
 import torch
 
 from pipeline.records import Rollout
-from pipeline.roles.forward import in_row_chunks, response_logprobs
+from pipeline.roles.forward import choose_packing, in_row_chunks, response_logprobs
 from pipeline.roles.host import resolve_device, role_state
 
 
 class ReferenceRole:
     def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "float32",
-                 micro_batch_size: int | str = "auto", pack_sequences: bool = True):
+                 micro_batch_size: int | str = "auto", pack_sequences: bool = True, share_prompts: bool = False):
         device = resolve_device(device)
         from pipeline.models import load_causal_lm
 
         self.model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype)).eval()
         self.device = device
         self.micro_batch_size = micro_batch_size
-        self.pack_sequences = pack_sequences
+        # train.share_prompts: a group's prompt computed once here too (forward.choose_packing).
+        self.pack_sequences = choose_packing(self.model, pack_sequences, share_prompts)
 
     def logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """(B, R) log pi_ref of the response tokens, 0 on padding."""

@@ -211,6 +211,21 @@ def test_other_architectures_share_prompts_as_well(architecture):
     torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
 
 
+def test_the_reference_shares_prompts_too(tiny_model):
+    """train.share_prompts reaches the reference role: its logprobs with each group's prompt
+    computed once equal those of whole rows."""
+    from pipeline.records import Rollout
+    from pipeline.roles.reference import ReferenceRole
+
+    whole = ReferenceRole(tiny_model, device="cpu", micro_batch_size=4)
+    shared = ReferenceRole(tiny_model, device="cpu", micro_batch_size=4, share_prompts=True)
+    assert (whole.pack_sequences, shared.pack_sequences) == (True, SHARED_PROMPTS)
+    ids, mask = _group_rows(whole.model.config.vocab_size)
+    response = mask[:, 6:].float()
+    rollout = Rollout(ids, mask, response, torch.zeros_like(response), torch.zeros(len(ids), dtype=torch.long), 0, 6)
+    torch.testing.assert_close(shared.logprobs(rollout, 0.7), whole.logprobs(rollout, 0.7), rtol=0, atol=1e-5)
+
+
 def test_the_tiles_placeholder_mask_is_never_attended_as_a_mask():
     """A model that would not hand the tiles down to its attention meets the placeholder mask
     alone: an error naming the cause, never an attention over every pair."""
@@ -231,9 +246,10 @@ def test_share_prompts_config():
 
 
 def test_grpo_with_shared_prompts_trains_as_without(shared_cluster, shared_config, tiny_model, prompts):
-    """End to end on the CPU cluster: on-policy GRPO (groups of 4 samples a prompt) with
-    train.share_prompts gives the same rewards, tokens and losses, step for step, as the same
-    run packing whole rows: the same sums, in another order of additions."""
+    """End to end on the CPU cluster: on-policy GRPO (groups of 4 samples a prompt, a KL
+    penalty from the reference) with train.share_prompts gives the same rewards, tokens, KL
+    and losses, step for step, as the same run packing whole rows: the same sums, in another
+    order of additions."""
     from pipeline.fleet.tasks import submit
     from pipeline.rewards import digit_fraction
     from pipeline.trainer import HybridTrainer
@@ -242,19 +258,22 @@ def test_grpo_with_shared_prompts_trains_as_without(shared_cluster, shared_confi
     for share in (False, True):
         with HybridTrainer(tiny_model, digit_fraction, shared_config, algorithm="grpo", prompts=prompts,
                            cluster=shared_cluster, steps=2, samples_per_prompt=4, prompts_per_step=4,
-                           max_new_tokens=8, actor_lr=1e-3, kl_coef=0.0, share_prompts=share,
+                           max_new_tokens=8, actor_lr=1e-3, kl_coef=0.05, share_prompts=share,
                            show_progress=False) as trainer:
             runs.append(trainer.train())
-            attention.append(submit(shared_cluster.client, "actor", _actor_attention).result())
-    assert attention == ["sdpa", SHARED_PROMPT_ATTENTION]   # the second run did share its prompts
+            attention.append([submit(shared_cluster.client, role, _attention, role).result()
+                              for role in ("actor", "reference")])
+    assert attention == [["sdpa"] * 2, [SHARED_PROMPT_ATTENTION] * 2]   # the second run did share its prompts
     plain, shared = runs
     assert [(r.reward_mean, r.tokens) for r in shared] == [(r.reward_mean, r.tokens) for r in plain]
     for a, b in zip(plain, shared):
+        assert b.kl_mean == pytest.approx(a.kl_mean, rel=1e-4, abs=1e-6)
         for key in ("policy_loss", "grad_norm", "entropy"):
             assert b.losses[key] == pytest.approx(a.losses[key], rel=1e-4, abs=1e-6), (a.step, key)
 
 
-def _actor_attention() -> str:
+def _attention(role: str) -> str:
     from pipeline.roles.host import role_state
 
-    return role_state("actor").trainer.model.config._attn_implementation
+    state = role_state(role)
+    return (state.trainer.model if role == "actor" else state.model).config._attn_implementation
