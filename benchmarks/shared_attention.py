@@ -3,7 +3,9 @@
 The batch-256 fixed-length update (32 groups of 8 rows, prompts of 128 tokens, responses of
 256) profiled on an H200 spent 138 ms of GPU time in FlexAttention's forward and 50 ms in
 its backward with shared prompts, against 16 and 35 ms in cuDNN's attention for whole rows
-(benchmarks/packed_update.py --profile), for 27% fewer tokens. This times the attention
+(benchmarks/packed_update.py --profile), for 27% fewer tokens. The update has since dropped
+FlexAttention for the last way below, in pipeline/roles/shared_attention.py's tiles (there
+with the gathers, and the responses in tiles of similar lengths). This times the attention
 alone, for one micro-batch of --groups groups, the Qwen2-0.5B shape (14 query heads, 2 KV
 heads, head size 64, bf16), forward and backward, milliseconds of GPU time a call:
 
