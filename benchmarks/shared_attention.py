@@ -9,8 +9,8 @@ with the gathers, and the responses in tiles of similar lengths). This times the
 alone, for one micro-batch of --groups groups, the Qwen2-0.5B shape (14 query heads, 2 KV
 heads, head size 64, bf16), forward and backward, milliseconds of GPU time a call:
 
-- flex: FlexAttention over pack_shared_prompts' rows with the block mask the update builds
-  (SharedPromptRows.visible), compiled static and with dynamic shapes (the update compiles
+- flex: FlexAttention over pack_shared_prompts' rows with the block mask of the pairs the
+  update's tiles compute (SharedPromptRows.visible), compiled static and with dynamic shapes (the update compiles
   its blocks dynamic=True), key/value heads passed as they are (enable_gqa);
 - flex, keys/values repeated: the same with the key/value heads repeated to 14 first, as
   transformers' FlexAttention integration does when the query heads are not a power of two
