@@ -7,9 +7,26 @@ Shapes: B = samples in the record, P = padded prompt length, R = padded response
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import torch
+
+
+def on_device(value, device):
+    """`value` (a tensor, or a dict, tuple or dataclass of such values, or anything else,
+    returned as it is) on `device`. From the CPU to a GPU through pinned memory and without
+    blocking: a copy from pageable memory would wait for all the GPU's queued work first."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and torch.device(device).type == "cuda":
+            return value.pin_memory().to(device, non_blocking=True)
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: on_device(item, device) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(on_device(item, device) for item in value)
+    if is_dataclass(value) and not isinstance(value, type):
+        return replace(value, **{f.name: on_device(getattr(value, f.name), device) for f in fields(value)})
+    return value
 
 
 @dataclass(frozen=True)

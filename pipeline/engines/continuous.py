@@ -43,7 +43,7 @@ from pipeline.engines.held_rows import HeldRows, row_key
 from pipeline.engines.hf import left_pad, stop_ids_of
 from pipeline.engines.prefill import prefill_mask, prefill_passes
 from pipeline.engines.sampling import sample_tokens, stop_string_end
-from pipeline.records import GenerationRequest
+from pipeline.records import GenerationRequest, on_device
 
 # Decode steps between two looks at the device (each is a device-to-host sync): 8 steps of
 # overshoot after a sequence ends cost less than a sync every step.
@@ -376,12 +376,10 @@ class SlotRun:
         timing()
 
     def _to_device(self, values: torch.Tensor | list[int]) -> torch.Tensor:
-        """Host values (ints) on the device, without waiting for the steps launched before:
-        a copy from pageable memory would wait for all of them, a pinned one does not."""
-        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-        if not self.on_cuda:
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """Host values (ints) on the device, without waiting for the steps launched before
+        (records.on_device)."""
+        return on_device(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long),
+                         self.device)
 
     def _prefill_timing(self):
         """Starts timing a prefill pass; the returned function ends it. On CUDA a pair of

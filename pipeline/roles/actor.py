@@ -16,9 +16,9 @@ from pipeline.algorithms import aggregate_loss, importance_weights, kl_loss, mas
 from pipeline.packing import computed_tokens
 from pipeline.policy_losses import POLICY_LOSSES
 from pipeline.metrics import sum_stats
-from pipeline.records import Experience
+from pipeline.records import Experience, on_device
 from pipeline.roles.forward import (
-    choose_packing, in_row_chunks, on_device, response_logprobs, response_logprobs_and_entropy, warm_up_batch,
+    choose_packing, in_row_chunks, response_logprobs, response_logprobs_and_entropy, warm_up_batch,
 )
 from pipeline.roles.host import resolve_device, role_state, settle_heap
 from pipeline.roles.training import GroupInfo, Trainable

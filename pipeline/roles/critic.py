@@ -9,8 +9,8 @@ import torch
 from pipeline.algorithms import value_loss
 from pipeline.metrics import sum_stats
 from pipeline.packing import computed_tokens
-from pipeline.records import Experience, Rollout
-from pipeline.roles.forward import in_row_chunks, on_device, response_values
+from pipeline.records import Experience, Rollout, on_device
+from pipeline.roles.forward import in_row_chunks, response_values
 from pipeline.roles.host import resolve_device, role_state
 from pipeline.roles.training import GroupInfo, Trainable
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 
@@ -12,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
 from pipeline.packing import SHARED_PROMPTS, pack_rows, pack_shared_prompts, response_slots, unpack_responses
+from pipeline.records import on_device
 from pipeline.roles.shared_attention import (
     SHARED_PROMPT_ATTENTION, PromptsThenResponses, attend_with_shared_prompts, tiles_inputs,
 )
@@ -137,11 +137,11 @@ def _packed_scores(model, separable: bool, project, input_ids, attention_mask, p
     back from the device; the packed tensors then go over in copies queued behind its work."""
     if pack == SHARED_PROMPTS:
         shared = pack_shared_prompts(input_ids, attention_mask, prompt_length)
-        inputs = {key: on_device(value, device) for key, value in shared_prompt_inputs(model, shared).items()}
+        inputs = on_device(shared_prompt_inputs(model, shared), device)
         predictors, outputs = shared.predictors, shared.outputs
     else:
         packed = pack_rows(input_ids, attention_mask)
-        inputs = {key: on_device(value, device) for key, value in packed.model_inputs().items()}
+        inputs = on_device(packed.model_inputs(), device)
         predictors, outputs = response_slots(packed, attention_mask, prompt_length)
     targets = on_device(input_ids[:, prompt_length:].reshape(-1)[outputs], device)
     predictors, outputs = on_device(predictors, device), on_device(outputs, device)
@@ -156,26 +156,14 @@ def _packed_scores(model, separable: bool, project, input_ids, attention_mask, p
     return tuple(None if part is None else unpack_responses(part, outputs, shape) for part in scores)
 
 
-def on_device(value, device):
-    """`value` (a tensor, or a dict, tuple or dataclass of such values, or anything else,
-    returned as it is) on `device`. From the CPU to a GPU through pinned memory and without
-    blocking: a copy from pageable memory would wait for all the GPU's queued work first."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and torch.device(device).type == "cuda":
-            return value.pin_memory().to(device, non_blocking=True)
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: on_device(item, device) for key, item in value.items()}
-    if isinstance(value, tuple):
-        return tuple(on_device(item, device) for item in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{field.name: on_device(getattr(value, field.name), device)
-                                             for field in dataclasses.fields(value)})
-    return value
-
-
 def _device_of(model) -> torch.device:
     return next(model.parameters()).device
+
+
+def _low_precision(model) -> bool:
+    """Whether `model` computes in 16 bits: its checks against another way of computing the
+    same logprobs then allow for bf16/fp16 rounding."""
+    return next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
 
 
 def choose_packing(model, pack_sequences: bool, share_prompts: bool) -> bool | str:
@@ -215,8 +203,7 @@ def _check_shared_prompts(model) -> None:
         for module, training in modes:
             module.training = training
     real = mask[:, 4:].bool().to(padded.device)
-    low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    if not torch.allclose(shared[real], padded[real], rtol=0, atol=5e-2 if low_precision else 1e-4):
+    if not torch.allclose(shared[real], padded[real], rtol=0, atol=5e-2 if _low_precision(model) else 1e-4):
         raise RuntimeError("its logprobs with a shared prompt differ from the padded rows'")
 
 
@@ -291,8 +278,7 @@ def _separable(model, input_ids, attention_mask, prompt_length: int, temperature
                                          temperature)
             hidden = model.base_model(**row, use_cache=False).last_hidden_state[:, prompt_length - 1:-1]
             split = _chunked_logprobs(head, hidden, targets, temperature)
-        low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        separable = torch.allclose(whole, split, rtol=0, atol=2e-2 if low_precision else 1e-4)
+        separable = torch.allclose(whole, split, rtol=0, atol=2e-2 if _low_precision(model) else 1e-4)
     _SEPARABLE[model] = separable
     return separable
 

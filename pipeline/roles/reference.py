@@ -18,13 +18,14 @@ class ReferenceRole:
         self.model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype)).eval()
         self.device = device
         self.micro_batch_size = micro_batch_size
-        # train.share_prompts: a group's prompt computed once here too (forward.choose_packing).
-        self.pack_sequences = choose_packing(self.model, pack_sequences, share_prompts)
+        # Whole rows packed, a group's prompt computed once too (train.share_prompts), or
+        # neither: forward.choose_packing.
+        self.packing = choose_packing(self.model, pack_sequences, share_prompts)
 
     def logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """(B, R) log pi_ref of the response tokens, 0 on padding."""
         return in_row_chunks(response_logprobs, self.model, rollout, self.micro_batch_size, self.device,
-                             temperature, what="reference logprobs", pack=self.pack_sequences).cpu() * rollout.response_mask
+                             temperature, what="reference logprobs", pack=self.packing).cpu() * rollout.response_mask
 
 
 def ref_logprobs(rollout: Rollout, temperature: float) -> torch.Tensor:

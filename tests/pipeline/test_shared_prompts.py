@@ -219,7 +219,7 @@ def test_the_reference_shares_prompts_too(tiny_model):
 
     whole = ReferenceRole(tiny_model, device="cpu", micro_batch_size=4)
     shared = ReferenceRole(tiny_model, device="cpu", micro_batch_size=4, share_prompts=True)
-    assert (whole.pack_sequences, shared.pack_sequences) == (True, SHARED_PROMPTS)
+    assert (whole.packing, shared.packing) == (True, SHARED_PROMPTS)
     ids, mask = _group_rows(whole.model.config.vocab_size)
     response = mask[:, 6:].float()
     rollout = Rollout(ids, mask, response, torch.zeros_like(response), torch.zeros(len(ids), dtype=torch.long), 0, 6)
