@@ -68,10 +68,11 @@ def timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def request(batch: int, prompt: int, new: int, seed: int = 0) -> GenerationRequest:
+def request(batch: int, prompt: int, new: int, seed: int = 0, samples: int = 1) -> GenerationRequest:
+    """`batch` sequences: batch / samples random prompts, `samples` of each."""
     generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(2, 151936, (batch, prompt), generator=generator).tolist()
-    return GenerationRequest(prompts, list(range(batch)), 1, new, 1.0, seed)
+    prompts = torch.randint(2, 151936, (batch // samples, prompt), generator=generator).tolist()
+    return GenerationRequest(prompts, list(range(batch // samples)), samples, new, 1.0, seed)
 
 
 def report(name: str, batch: int, seconds: float, new: int) -> None:
@@ -81,14 +82,28 @@ def report(name: str, batch: int, seconds: float, new: int) -> None:
           flush=True)
 
 
-def bench_engine(model, batch: int, prompt: int, new: int, repeats: int) -> None:
+def bench_engine(model, batch: int, prompt: int, new: int, repeats: int, samples: int = 1,
+                 prefills: tuple[str, ...] = ("shared",)) -> None:
+    """Full-length requests of `batch` sequences, `samples` of each prompt; each of `prefills`
+    timed: "shared" (a prompt computed once for its samples, the engine's way) or "each row"
+    (every row's prompt computed, as before the engine shared them)."""
     engine = cuda_graph_engine(model, pad_id=0, eos_id=NO_EOS, device="cuda", max_batch_size=batch)
-    req = request(batch, prompt, new)
+    req = request(batch, prompt, new, samples=samples)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     engine.generate(req, 0)
     print(f"cuda_graph first call (compiles) batch {batch}: {time.perf_counter() - start:.1f} s", flush=True)
-    report("dask-rl cuda_graph engine", batch, timed(lambda: engine.generate(req, 0), repeats), new)
+    distinct = continuous.distinct_prefixes
+    for way in prefills:
+        continuous.distinct_prefixes = distinct if way == "shared" else (lambda rows: [[i] for i in range(len(rows))])
+        try:
+            seconds = timed(lambda: engine.generate(req, 0), repeats)
+        finally:
+            continuous.distinct_prefixes = distinct
+        stats = engine.last_stats
+        report(f"dask-rl cuda_graph, prefill {way}", batch, seconds, new)
+        print(f"  {samples} samples a prompt: prefill {stats['prefill_ms']:.1f} ms of device time, "
+              f"{stats['prefill_tokens']:,} tokens computed in {stats['prefill_passes']} passes", flush=True)
 
 
 def bench_long_tail(model, batch: int, prompt: int, new: int, probabilities: list[float], repeats: int) -> list:
@@ -126,10 +141,11 @@ def _time_spent(seconds: list[float], stats: list[dict]) -> dict:
         return statistics.mean(s[key] for s in stats)
     spent = {"prefill_s": mean("prefill_ms") / 1e3, "host_s": mean("host_ms") / 1e3,
              "prefill_passes": mean("prefill_passes"), "prefill_tokens": mean("prefill_tokens"),
-             "prefill_real_tokens": mean("prefill_real_tokens")}
+             "prefill_real_tokens": mean("prefill_real_tokens"), "prefill_shared": mean("prefill_shared")}
     spent["decode_s"] = statistics.mean(seconds) - spent["prefill_s"] - spent["host_s"]
     print(f"  a request's time: prefill {spent['prefill_s']:.3f} s ({spent['prefill_passes']:.0f} passes, "
-          f"{spent['prefill_tokens']:,.0f} tokens computed for {spent['prefill_real_tokens']:,.0f}), host at sync "
+          f"{spent['prefill_tokens']:,.0f} tokens computed for {spent['prefill_real_tokens']:,.0f}, "
+          f"{spent['prefill_shared']:.0f} rows reusing a prompt computed for another), host at sync "
           f"points {spent['host_s']:.3f} s, decode and the rest {spent['decode_s']:.3f} s", flush=True)
     return spent
 
@@ -275,7 +291,12 @@ def main(argv=None) -> int:
                         help="end probabilities per token for the long-tail runs (none: skip them)")
     parser.add_argument("--partial", type=int, default=0, metavar="N",
                         help="time the long-tail lengths as N consecutive partial rollouts")
-    parser.add_argument("--samples-per-prompt", type=int, default=8, help="group size of the partial rollouts")
+    parser.add_argument("--samples-per-prompt", type=int, default=8,
+                        help="group size of the partial rollouts and (with --prefills) the full-length requests")
+    parser.add_argument("--prefills", nargs="+", choices=["shared", "each row"], default=None,
+                        help="full-length requests of --samples-per-prompt samples a prompt, each way timed: a "
+                             "prompt prefilled once for its samples (shared) or once a row (default: distinct "
+                             "prompts, one sample each)")
     parser.add_argument("--request-groups", type=int, default=2,
                         help="partial rollouts: a request holds this many times a step's groups")
     parser.add_argument("--max-staleness", type=int, default=2,
@@ -314,7 +335,11 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0
     for batch in args.batches:
-        bench_engine(model, batch, args.prompt, args.new_tokens, args.repeats)
+        if args.prefills:
+            bench_engine(model, batch, args.prompt, args.new_tokens, args.repeats, args.samples_per_prompt,
+                         tuple(args.prefills))
+        else:
+            bench_engine(model, batch, args.prompt, args.new_tokens, args.repeats)
     logprob_agreement(model)
     if not args.skip_generate:
         for batch in args.batches:

@@ -41,7 +41,7 @@ import torch
 
 from pipeline.engines.held_rows import HeldRows, row_key
 from pipeline.engines.hf import left_pad, stop_ids_of
-from pipeline.engines.prefill import prefill_mask, prefill_passes
+from pipeline.engines.prefill import distinct_prefixes, prefill_mask, prefill_passes
 from pipeline.engines.sampling import sample_tokens, stop_string_end
 from pipeline.records import GenerationRequest, on_device
 
@@ -118,8 +118,8 @@ class SlotRun:
         # padding and without, device time from CUDA events, which need no sync) and the host
         # work at sync points, during which the device waits.
         self._prefill_events: list[tuple] = []   # CUDA (start, end) event pairs, read at the end
-        self.stats.update(prefill_passes=0, prefill_tokens=0, prefill_real_tokens=0, prefill_ms=0.0, host_ms=0.0,
-                          continued=0)
+        self.stats.update(prefill_passes=0, prefill_tokens=0, prefill_real_tokens=0, prefill_shared=0, prefill_ms=0.0,
+                          host_ms=0.0, continued=0)
         self.groups = groups
         self.held: HeldRows | None = None
         self._carry_in(request.carried, groups)
@@ -336,31 +336,45 @@ class SlotRun:
         """Prefill the next waiting sequences into the slots `free` (as many as wait), in the
         ring columns just before the next decode step's column. A carried row's prefill is its
         prompt and its tokens so far; it fits the ring, which holds a prompt and a whole
-        response. The passes are prefill_passes', each of at most prefill_budget tokens."""
+        response. Sequences with one prefix (a group's samples of a prompt) share its
+        computation. The passes are prefill_passes' over the distinct prefixes, each of at
+        most prefill_budget computed tokens."""
         count = min(len(free), len(self.queue))
         if count == 0:
             return
         waiting = [self.queue.popleft() for _ in range(count)]
         self.started[waiting] = True
-        passes = prefill_passes([len(self.prefixes[sequence]) for sequence in waiting],
+        shared = distinct_prefixes([self.prefixes[sequence] for sequence in waiting])
+        passes = prefill_passes([len(self.prefixes[waiting[positions[0]]]) for positions in shared],
                                 self.engine.prompt_bucket, self.length, self.prefill_budget)
         for width, members in passes:
-            self._prefill(width, [free[i] for i in members], [waiting[i] for i in members])
+            self._prefill(width, [[free[i] for i in shared[m]] for m in members],
+                          [[waiting[i] for i in shared[m]] for m in members])
 
-    def _prefill(self, width: int, slots: list[int], waiting: list[int]) -> None:
-        """One prefill pass: the prefixes of sequences `waiting`, left-padded to `width`, into `slots`."""
-        ids, prompt_mask = left_pad([self.prefixes[i] for i in waiting], self.engine.pad_id, width=width)
+    def _prefill(self, width: int, slots: list[list[int]], waiting: list[list[int]]) -> None:
+        """One prefill pass: for each distinct prefix, the sequences `waiting[j]` that have it,
+        into slots `slots[j]`. A prefix is computed once, left-padded to `width`, and its keys
+        and values stored into each of its slots; each sequence samples its own first token."""
+        ids, prefix_mask = left_pad([self.prefixes[sequences[0]] for sequences in waiting], self.engine.pad_id,
+                                    width=width)
         self.stats["prefill_passes"] += 1
         self.stats["prefill_tokens"] += ids.numel()
-        self.stats["prefill_real_tokens"] += int(prompt_mask.sum())
+        self.stats["prefill_real_tokens"] += int(prefix_mask.sum())
+        self.stats["prefill_shared"] += sum(len(sequences) - 1 for sequences in waiting)
         timing = self._prefill_timing()
+        source = [row for row, sequences in enumerate(waiting) for _ in sequences]   # each slot's prefix
+        sources = self._to_device(source) if len(source) > len(waiting) else None   # None: all distinct
+        slots, waiting = [s for group in slots for s in group], [s for group in waiting for s in group]
         rows, prior = self._to_device(slots), self._to_device([self.prior[i] for i in waiting])
-        ids, prompt_mask = self._to_device(ids), self._to_device(prompt_mask)
+        ids, prefix_mask = self._to_device(ids), self._to_device(prefix_mask)
         columns = (torch.arange(width, device=self.device) + self.column - width) % self.length
-        logits = self.engine.prefill_model(input_ids=ids, attention_mask=prefill_mask(prompt_mask),
-                                           position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
+        logits = self.engine.prefill_model(input_ids=ids, attention_mask=prefill_mask(prefix_mask),
+                                           position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
                                            logits_to_keep=1, slot_cache=self.cache, slot_rows=rows,
-                                           slot_columns=columns).logits[:, -1]
+                                           slot_columns=columns, slot_sources=sources).logits[:, -1]
+        prompt_mask = prefix_mask
+        if sources is not None:
+            logits, prompt_mask = logits.index_select(0, sources), prefix_mask.index_select(0, sources)
         token, logprob = sample_tokens(logits, self.request.temperature, *self.filters)
         sequences = self._to_device(waiting)
         self.tokens[sequences, prior], self.logprobs[sequences, prior] = token, logprob

@@ -28,6 +28,15 @@ def prefill_passes(lengths: list[int], bucket: int, ring: int, budget: int) -> l
     return passes
 
 
+def distinct_prefixes(prefixes: list[list[int]]) -> list[list[int]]:
+    """Positions of `prefixes` grouped by equal prefix, in first-seen order: a group's
+    samples of one prompt share a prefill (its keys and values are computed once)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for position, prefix in enumerate(prefixes):
+        groups.setdefault(tuple(prefix), []).append(position)
+    return list(groups.values())
+
+
 def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     """(k, W) left-padded prompt mask -> (k, 1, W, W) boolean attention mask: causal, real
     keys only. A padding position (no real key at or before it) attends to every key, so

@@ -81,7 +81,8 @@ class SlotCache:
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                    slot_cache: SlotCache | None = None, slot_rows: torch.Tensor | None = None,
-                   slot_columns: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                   slot_columns: torch.Tensor | None = None, slot_sources: torch.Tensor | None = None,
+                   **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract, plus the slot cache's keywords.
 
     - decode (slot_rows None): query/key/value (S, H or H_kv, 1, D) of every slot; the new
@@ -90,6 +91,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
       kernel, which skips the blocks of columns outside the slot's window);
     - prefill (slot_rows (k,)): k new prompts, left-padded to W tokens, are stored in slots
       `slot_rows` at ring columns `slot_columns` (W,) and attend among themselves as usual;
+      with `slot_sources` (k,), the pass computed fewer prompts (the distinct ones) and slot
+      `slot_rows[i]` stores prompt `slot_sources[i]`'s keys and values;
     - without a slot cache (a training or scoring forward of the same model): packed
       grouped-query attention, i.e. transformers' SDPA.
     """
@@ -104,8 +107,9 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             return decode_kernel.slot_decode_attention(query, keys, values, attention_mask, scale), None
         return packed_gqa_attention(module, query, keys, values, attention_mask, scaling=scaling)
     # (k, H_kv, W, D) -> the (k, W) cells (slot, column), each an (H_kv, D) block.
-    keys[slot_rows[:, None], :, slot_columns[None, :]] = key.transpose(1, 2).to(keys.dtype)
-    values[slot_rows[:, None], :, slot_columns[None, :]] = value.transpose(1, 2).to(values.dtype)
+    stored_key, stored_value = (key, value) if slot_sources is None else (key[slot_sources], value[slot_sources])
+    keys[slot_rows[:, None], :, slot_columns[None, :]] = stored_key.transpose(1, 2).to(keys.dtype)
+    values[slot_rows[:, None], :, slot_columns[None, :]] = stored_value.transpose(1, 2).to(values.dtype)
     return packed_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 

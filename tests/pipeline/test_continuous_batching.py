@@ -164,7 +164,7 @@ def test_compiled_prefill_passes_give_the_eager_ones_sequences(tiny_model, monke
         engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu", max_batch_size=16,
                                  prompt_bucket=16, compile_prefill=compiled)
         rollouts.append(engine.generate(request, policy_version=0))
-        assert engine.last_stats["prefill_passes"] == 6
+        assert engine.last_stats["prefill_passes"] == 3   # 8 distinct prompts, 3 a pass
     assert torch.equal(rollouts[0].input_ids, rollouts[1].input_ids)
     torch.testing.assert_close(rollouts[1].behavior_logprobs, rollouts[0].behavior_logprobs, atol=2e-5, rtol=0)
     _check_against_the_actor(model, request, rollouts[1], eos)
@@ -229,16 +229,47 @@ def test_prefill_passes_hold_at_most_prefill_pass_tokens(model_and_tokenizer, mo
     model, tokenizer = model_and_tokenizer
     request = _request(tokenizer, prompts=8, samples=2, new_tokens=6)
     rollouts, passes = [], []
-    for cap in (10_000, 2 * 16):   # all 16 prompts (16-token bucket) in one pass; two rows a pass
+    for cap in (10_000, 2 * 16):   # all 8 distinct prompts (16-token bucket) in one pass; two a pass
         monkeypatch.setattr(continuous, "PREFILL_PASS_TOKENS", cap)
         engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
                                  max_batch_size=16, prompt_bucket=16)
         rollouts.append(engine.generate(request, policy_version=0))
         passes.append(engine.last_stats["prefill_passes"])
         assert engine.last_stats["prefill_tokens"] <= passes[-1] * cap
-    assert passes == [1, 8]
+    assert passes == [1, 4]
     assert torch.equal(rollouts[0].input_ids, rollouts[1].input_ids)
     torch.testing.assert_close(rollouts[1].behavior_logprobs, rollouts[0].behavior_logprobs, atol=2e-5, rtol=0)
+
+
+def test_a_prompt_shared_by_a_groups_samples_is_prefilled_once(model_and_tokenizer, monkeypatch):
+    """12 prompts x 4 samples through 16 slots: each refill computes a prompt once for all of
+    its samples waiting then, and stores its keys and values into each of their slots. The
+    sequences and logprobs are those of a prefill of every row, and the actor's."""
+    model, tokenizer = model_and_tokenizer
+    eos = tokenizer.eos_token_id
+    request = _request(tokenizer, prompts=12, samples=4, new_tokens=10)
+    rollouts, stats = {}, {}
+    hook = _eos_bias(model, eos, 1.5)
+    try:
+        for sharing in (True, False):
+            if not sharing:   # every row its own prefix: the prefill of each row
+                monkeypatch.setattr(continuous, "distinct_prefixes", lambda prefixes: [[i] for i in range(len(prefixes))])
+            engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu",
+                                     max_batch_size=16, prompt_bucket=16, check_every=2)
+            rollouts[sharing] = engine.generate(request, policy_version=0)
+            stats[sharing] = engine.last_stats
+        _check_against_the_actor(model, request, rollouts[True], eos)
+    finally:
+        hook.remove()
+    assert torch.equal(rollouts[True].input_ids, rollouts[False].input_ids)
+    torch.testing.assert_close(rollouts[True].behavior_logprobs, rollouts[False].behavior_logprobs, atol=2e-5, rtol=0)
+    # The first refill takes the first 16 sequences: 4 prompts x 4 samples, 4 rows computed.
+    # Later refills take what waits then, often part of a group; every row computed is a prompt
+    # at least one sequence needed, so rows computed + rows that shared one = 48.
+    assert stats[False]["prefill_shared"] == 0 and stats[False]["prefill_tokens"] == 48 * 16
+    shared = stats[True]["prefill_shared"]
+    assert stats[True]["prefill_tokens"] == (48 - shared) * 16
+    assert 12 <= shared <= 36, stats[True]
 
 
 def test_the_decode_kernel_leaves_a_cpu_engine_on_sdpa(model_and_tokenizer):
