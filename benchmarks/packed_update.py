@@ -15,11 +15,12 @@ as train.gradient_checkpointing defaults to. Two ways:
 - packed, compiled blocks (--compile-blocks): the auto budget with each transformer block
   compiled by torch.compile (dynamic shapes), to see what eager kernel launches and unfused
   element-wise work cost;
-- packed, compiled projection (--compile-projection): the auto budget with the projection
-  onto the vocabulary (the head, the float32 log-softmax and entropy of each chunk of
-  response tokens, pipeline/roles/forward.py's _project) compiled;
-- packed, compile_model (--compile-model): both, as train.compile_model (the default) runs
-  the actor on a GPU;
+- packed, compile_model (--compile-model): the blocks and the passes over the logits
+  compiled, as train.compile_model (the default) runs the actor on a GPU;
+- packed, compile_model, autograd projection (--autograd-projection): the same with each
+  chunk of logits differentiated op by op under checkpointing, as before
+  pipeline/vocab_scores.py (which keeps three numbers a token and makes the logits'
+  gradient in one pass);
 - packed, compile_model, shared prompts (--share-prompts): the same with train.share_prompts,
   each group of --samples rows (one prompt) run as its prompt once and then its responses,
   attended in two dense tiles a layer (pipeline/roles/shared_attention.py).
@@ -135,8 +136,8 @@ def main(argv=None) -> dict:
                         help="also run packed with the auto budget capped at each (micro_batch_size: auto "
                              "caps at 32768 real tokens)")
     parser.add_argument("--compile-blocks", action="store_true", help="also run packed with compiled blocks")
-    parser.add_argument("--compile-projection", action="store_true",
-                        help="also run packed with the vocabulary projection compiled")
+    parser.add_argument("--autograd-projection", action="store_true",
+                        help="also run compile_model with the logits differentiated op by op (before vocab_scores)")
     parser.add_argument("--compile-model", action="store_true",
                         help="also run packed as train.compile_model does (blocks and projection compiled)")
     parser.add_argument("--share-prompts", action="store_true",
@@ -162,13 +163,13 @@ def main(argv=None) -> dict:
     ways += [(f"packed, <= {cap} tokens", "auto", True, True, cap) for cap in args.token_caps]
     if args.compile_blocks:
         ways += [("packed, compiled blocks", "auto", True, True, None)]
-    if args.compile_projection:
-        ways += [("packed, compiled projection", "auto", True, True, None)]
     if args.compile_model:
         ways += [("packed, compile_model", "auto", True, True, None)]
+    if args.autograd_projection:
+        ways += [("packed, compile_model, autograd projection", "auto", True, True, None)]
     if args.share_prompts:
         ways += [("packed, compile_model, shared prompts", "auto", SHARED_PROMPTS, True, None)]
-    eager_projection = forward._project
+    plain_linear = forward.plain_linear
     if args.only:
         ways = [way for way in ways if way[0].startswith(tuple(args.only))]
     for name, micro_batch_size, pack, checkpointing, cap in ways:
@@ -179,7 +180,7 @@ def main(argv=None) -> dict:
             if pack == SHARED_PROMPTS:
                 forward.choose_packing(model, True, True)   # the attention tiles
             return model
-        forward._project = forward._compiled_project if "projection" in name else eager_projection
+        forward.plain_linear = (lambda head: False) if "autograd projection" in name else plain_linear
         trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda", gradient_checkpointing=checkpointing,
                               compile_model="compile_model" in name, role_name="actor")
         if cap:

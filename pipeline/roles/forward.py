@@ -15,6 +15,7 @@ from pipeline.records import on_device
 from pipeline.roles.shared_attention import (
     SHARED_PROMPT_ATTENTION, PromptsThenResponses, attend_with_shared_prompts, tiles_inputs,
 )
+from pipeline.vocab_scores import projected_scores
 from resources.allocator import free_bytes, in_chunks, rows_per_micro_batch
 
 logger = logging.getLogger("dask_rl")
@@ -112,9 +113,9 @@ def _response_scores(model, input_ids, attention_mask, prompt_length: int, tempe
     CPU: they are packed there and only then sent to the model's device (on_device)."""
     device = _device_of(model)
     separable = _separable(model, input_ids, attention_mask, prompt_length, temperature, device)
-    project = _compiled_project if model in _COMPILED else _project
+    compiled = model in _COMPILED
     if pack:
-        return _packed_scores(model, separable, project, input_ids, attention_mask, prompt_length, temperature,
+        return _packed_scores(model, separable, compiled, input_ids, attention_mask, prompt_length, temperature,
                               entropy_grad, pack, device)
     input_ids, attention_mask = on_device(input_ids, device), on_device(attention_mask, device)
     targets = input_ids[:, prompt_length:]
@@ -123,10 +124,10 @@ def _response_scores(model, input_ids, attention_mask, prompt_length: int, tempe
         logits = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits[:, :-1]
         return _project_logits(logits, targets, temperature, entropy_grad)
     hidden = model.base_model(**inputs).last_hidden_state[:, prompt_length - 1:-1]
-    return _chunked_scores(model.get_output_embeddings(), hidden, targets, temperature, entropy_grad, project)
+    return _chunked_scores(model.get_output_embeddings(), hidden, targets, temperature, entropy_grad, compiled)
 
 
-def _packed_scores(model, separable: bool, project, input_ids, attention_mask, prompt_length: int,
+def _packed_scores(model, separable: bool, compiled: bool, input_ids, attention_mask, prompt_length: int,
                    temperature: float, entropy_grad: bool | None, pack: bool | str,
                    device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """_response_scores over the packed real tokens: the hidden states that predict real
@@ -148,7 +149,7 @@ def _packed_scores(model, separable: bool, project, input_ids, attention_mask, p
     if separable:
         hidden = model.base_model(**inputs).last_hidden_state
         scores = _chunked_scores(model.get_output_embeddings(), hidden.flatten(0, 1)[predictors], targets,
-                                 temperature, entropy_grad, project)
+                                 temperature, entropy_grad, compiled)
     else:
         logits = model(**inputs).logits.flatten(0, 1)[predictors]
         scores = _project_logits(logits, targets, temperature, entropy_grad)
@@ -224,20 +225,33 @@ def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, tempera
 
 
 def _chunked_scores(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    entropy_grad: bool | None, project=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`project`: _project or its compiled form (_compiled_project)."""
-    project = project or _project
+                    entropy_grad: bool | None, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(..., H) final hidden states, (...) tokens -> float32 logprobs and entropy (None when
+    entropy_grad is None) shaped as `targets`, LOGIT_CHUNK_TOKENS tokens' logits at a time.
+    A plain linear head goes through vocab_scores.projected_scores; another head's logits
+    are differentiated op by op, each chunk checkpointed. For a `compiled` model, the passes
+    over the logits run through torch.compile either way."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    plain = plain_linear(head)
+    project = _compiled_project if compiled else _project
     parts = []
     for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS):
-        chunk = (head, flat_hidden[start:start + LOGIT_CHUNK_TOKENS], flat_targets[start:start + LOGIT_CHUNK_TOKENS],
-                 temperature, entropy_grad)
-        parts.append(checkpoint(project, *chunk, use_reentrant=False) if torch.is_grad_enabled()
-                     else project(*chunk))
+        states, tokens = flat_hidden[start:start + LOGIT_CHUNK_TOKENS], flat_targets[start:start + LOGIT_CHUNK_TOKENS]
+        if plain:
+            parts.append(projected_scores(states, head.weight, tokens, temperature, bool(entropy_grad), compiled))
+        elif torch.is_grad_enabled():
+            parts.append(checkpoint(project, head, states, tokens, temperature, entropy_grad, use_reentrant=False))
+        else:
+            parts.append(project(head, states, tokens, temperature, entropy_grad))
     logprobs = torch.cat([p[0] for p in parts]).view(targets.shape)
     if entropy_grad is None:
         return logprobs, None
     return logprobs, torch.cat([p[1] for p in parts]).view(targets.shape)
+
+
+def plain_linear(head) -> bool:
+    """Whether `head` is a linear layer without a bias (vocab_scores covers those)."""
+    return isinstance(head, torch.nn.Linear) and head.bias is None
 
 
 def _project(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy_grad: bool | None):

@@ -1,0 +1,83 @@
+"""Response tokens' log-probabilities and entropies from final hidden states, through the
+output projection onto the vocabulary, as one autograd function.
+
+Each chunk of tokens' logits (tokens x vocabulary: 512 x 152k for Qwen2) is the largest
+tensor of an update. Differentiated op by op, a chunk's float32 copy, its log-softmax and
+its probabilities are kept or recomputed for their backward, each one more pass over the
+block. Here the forward keeps only three numbers a token (the log-sum-exp, the entropy and
+the token's log-probability); the backward recomputes the chunk's logits with one matrix
+product and turns them into their gradient in one pass:
+
+    z = logits / T,  log p = z - lse,  H = lse - sum_v p_v z_v
+    d log p_t / dz = onehot(t) - p
+    dH / dz        = -p (log p + H)
+
+then the two products of a linear layer's backward. Everything is computed in float32 from
+the logits and the gradient handed back in the logits' dtype, as autograd would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def token_scores(logits: torch.Tensor, tokens: torch.Tensor,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, V) logits, (N,) tokens -> float32 (N,) log p(token), entropy and log-sum-exp of
+    softmax(logits / temperature)."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+    return z.gather(-1, tokens[:, None]).squeeze(-1) - lse, entropy, lse
+
+
+def logits_gradient(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                    grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
+                    temperature: float) -> torch.Tensor:
+    """The gradient of sum(grad_logprobs * log p(token) + grad_entropy * H) over the logits,
+    in their dtype (grad_entropy None: the entropy was not differentiated)."""
+    logp = logits.float() / temperature - lse[:, None]
+    p = torch.exp(logp)
+    picked = torch.arange(logits.shape[-1], device=logits.device)[None, :] == tokens[:, None]
+    grad = grad_logprobs[:, None] * (picked.float() - p)
+    if grad_entropy is not None:
+        grad = grad - grad_entropy[:, None] * p * (logp + entropy[:, None])
+    return (grad / temperature).to(logits.dtype)
+
+
+# Compiled (dynamic shapes: the last chunk is shorter) for models trained compiled, where
+# each becomes one or two kernels over the block.
+_compiled_token_scores = torch.compile(token_scores, dynamic=True)
+_compiled_logits_gradient = torch.compile(logits_gradient, dynamic=True)
+
+
+class _ProjectedScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature: float, entropy_grad: bool, compiled: bool):
+        scores = _compiled_token_scores if compiled else token_scores
+        logprobs, entropy, lse = scores(F.linear(hidden, weight), tokens, temperature)
+        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
+        ctx.temperature, ctx.entropy_grad, ctx.compiled = temperature, entropy_grad, compiled
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+        gradient = _compiled_logits_gradient if ctx.compiled else logits_gradient
+        grad_logits = gradient(F.linear(hidden, weight), tokens, lse, entropy, grad_logprobs,
+                               grad_entropy if ctx.entropy_grad else None, ctx.temperature)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def projected_scores(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                     entropy_grad: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, H) final hidden states, (V, H) output weight, (N,) tokens -> float32 (N,) log
+    p(token) and entropy of softmax(hidden @ weight.T / temperature). Differentiable in the
+    hidden states and the weight; the entropy too with `entropy_grad` (else it is a figure).
+    `compiled`: the two passes over the logits through torch.compile."""
+    return _ProjectedScores.apply(hidden, weight, tokens, temperature, entropy_grad, compiled)
