@@ -101,8 +101,9 @@ def _consistent(model, rollout):
                 "local: generation: 6 -> 3 sequences per batch (out of memory: test model: 6 rows > 4)",
                 "local: rollout logprobs: 16 -> 8 rows per chunk (out of memory: test model: 12 rows > 4)",
                 "local: rollout logprobs: 8 -> 4 rows per chunk (out of memory: test model: 8 rows > 4)"]),
-    # cuda_graph: 16 slots (the 12 prompts prefilled together) fail, then 8; 4 fit (a power of two).
-    (CudaGraphEngine, ["local: generation: 16 -> 8 sequences per batch (out of memory: test model: 12 rows > 4)",
+    # cuda_graph: 16 slots fail (their prefill computes the 4 distinct prompts once each; the
+    # first decode step runs 16 rows), then 8; 4 fit (a power of two).
+    (CudaGraphEngine, ["local: generation: 16 -> 8 sequences per batch (out of memory: test model: 16 rows > 4)",
                        "local: generation: 8 -> 4 sequences per batch (out of memory: test model: 8 rows > 4)"]),
 ])
 def test_engines_split_the_generation_batch_on_out_of_memory(engine_cls, expected, model_and_tokenizer):
@@ -153,7 +154,7 @@ def test_cuda_graph_batch_follows_the_free_memory_read_before_each_request(model
     model, tokenizer = model_and_tokenizer
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
                              max_batch_size=16)
-    request = _request(tokenizer, prompts=4, samples=4)   # 16 sequences, prompts padded to 64
+    request = _request(tokenizer, prompts=4, samples=4)   # 16 sequences, 4 distinct prompts, prompts padded to 64
     width = cuda_graph.bucket_length(max(len(p) for p in request.prompt_ids), engine.prompt_bucket)
     per_sequence = budget.sequence_bytes(model.config, torch.float32, width, width + request.max_new_tokens)
     free = {"bytes": 100 * per_sequence}
@@ -179,7 +180,7 @@ def test_cuda_graph_plan_counts_one_prefill_pass_not_one_a_slot(model_and_tokeni
     model, tokenizer = model_and_tokenizer
     engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
                              max_batch_size=16)
-    request = _request(tokenizer, prompts=4, samples=4)   # 16 sequences
+    request = _request(tokenizer, prompts=4, samples=4)   # 16 sequences, 4 distinct prompts
     width = cuda_graph.bucket_length(max(len(p) for p in request.prompt_ids), engine.prompt_bucket)
     held = budget.held_bytes(model.config, torch.float32, width + request.max_new_tokens)
     prefill = budget.prefill_bytes(model.config, torch.float32, width)
@@ -188,7 +189,7 @@ def test_cuda_graph_plan_counts_one_prefill_pass_not_one_a_slot(model_and_tokeni
     free = int((16 * held + 2 * prefill) / budget.HEADROOM) + 1
     monkeypatch.setattr(cuda_graph, "free_bytes", lambda device: free)
     rollout = engine.generate(request, 0)
-    assert engine.batch == 16 and engine.last_stats["prefill_passes"] == 8
+    assert engine.batch == 16 and engine.last_stats["prefill_passes"] == 2   # each prompt computed once
     assert budget.fitting_rows(free, held + prefill, 16) < 16           # every prompt's prefill counted
     _consistent(model, rollout)
 
