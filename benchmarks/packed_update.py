@@ -50,6 +50,7 @@ import types
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -124,6 +125,22 @@ def profile(trainable: Trainable, batch: Experience, micro_batch_size, pack: boo
         gaps_report(trace.name)
 
 
+def _project(head, hidden, tokens, temperature: float, entropy_grad: bool):
+    return forward._project_logits(head(hidden), tokens, temperature, entropy_grad)
+
+
+_compiled_project = torch.compile(_project, dynamic=True)
+
+
+def autograd_projection(head, hidden, tokens, temperature: float, entropy_grad: bool, compiled: bool):
+    """The projection as it was before vocab_scores: each chunk's logits, log-softmax and
+    entropy differentiated op by op, the chunk checkpointed (recomputed in the backward)."""
+    project = _compiled_project if compiled else _project
+    if not torch.is_grad_enabled():
+        return project(head, hidden, tokens, temperature, entropy_grad)
+    return checkpoint(project, head, hidden, tokens, temperature, entropy_grad, use_reentrant=False)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -169,7 +186,7 @@ def main(argv=None) -> dict:
         ways += [("packed, compile_model, autograd projection", "auto", True, True, None)]
     if args.share_prompts:
         ways += [("packed, compile_model, shared prompts", "auto", SHARED_PROMPTS, True, None)]
-    plain_linear = forward.plain_linear
+    projected_scores = forward.projected_scores
     if args.only:
         ways = [way for way in ways if way[0].startswith(tuple(args.only))]
     for name, micro_batch_size, pack, checkpointing, cap in ways:
@@ -180,7 +197,7 @@ def main(argv=None) -> dict:
             if pack == SHARED_PROMPTS:
                 forward.choose_packing(model, True, True)   # the attention tiles
             return model
-        forward.plain_linear = (lambda head: False) if "autograd projection" in name else plain_linear
+        forward.projected_scores = autograd_projection if "autograd projection" in name else projected_scores
         trainable = Trainable(build, lr=1e-6, strategy="none", device="cuda", gradient_checkpointing=checkpointing,
                               compile_model="compile_model" in name, role_name="actor")
         if cap:

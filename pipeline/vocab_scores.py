@@ -5,21 +5,20 @@ Each chunk of tokens' logits (tokens x vocabulary: 512 x 152k for Qwen2) is the 
 tensor of an update. Differentiated op by op, a chunk's float32 copy, its log-softmax and
 its probabilities are kept or recomputed for their backward, each one more pass over the
 block. Here the forward keeps only three numbers a token (the log-sum-exp, the entropy and
-the token's log-probability); the backward recomputes the chunk's logits with one matrix
-product and turns them into their gradient in one pass:
+the token's log-probability); the backward runs the head again for the chunk's logits and
+turns them into their gradient in one pass:
 
     z = logits / T,  log p = z - lse,  H = lse - sum_v p_v z_v
     d log p_t / dz = onehot(t) - p
     dH / dz        = -p (log p + H)
 
-then the two products of a linear layer's backward. Everything is computed in float32 from
+then the head's own backward (a linear head's two products). Everything is computed in float32 from
 the logits and the gradient handed back in the logits' dtype, as autograd would.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def token_scores(logits: torch.Tensor, tokens: torch.Tensor,
@@ -53,31 +52,40 @@ _compiled_logits_gradient = torch.compile(logits_gradient, dynamic=True)
 
 
 class _ProjectedScores(torch.autograd.Function):
+    """The head's parameters are inputs (their gradients reach them through autograd as any
+    other's); the head itself is called for the logits, in the backward again, so whatever
+    it does (a bias, forward hooks) counts both times."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature: float, entropy_grad: bool, compiled: bool):
+    def forward(ctx, hidden, tokens, temperature: float, entropy_grad: bool, compiled: bool, head, *params):
         scores = _compiled_token_scores if compiled else token_scores
-        logprobs, entropy, lse = scores(F.linear(hidden, weight), tokens, temperature)
-        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
-        ctx.temperature, ctx.entropy_grad, ctx.compiled = temperature, entropy_grad, compiled
+        logprobs, entropy, lse = scores(head(hidden), tokens, temperature)
+        ctx.save_for_backward(hidden, tokens, lse, entropy, *params)
+        ctx.head, ctx.temperature, ctx.entropy_grad, ctx.compiled = head, temperature, entropy_grad, compiled
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+        hidden, tokens, lse, entropy, *params = ctx.saved_tensors
+        wanted = [ctx.needs_input_grad[0], *ctx.needs_input_grad[6:]]
+        with torch.enable_grad():
+            states = hidden.detach().requires_grad_(wanted[0])
+            logits = ctx.head(states)
         gradient = _compiled_logits_gradient if ctx.compiled else logits_gradient
-        grad_logits = gradient(F.linear(hidden, weight), tokens, lse, entropy, grad_logprobs,
+        grad_logits = gradient(logits.detach(), tokens, lse, entropy, grad_logprobs,
                                grad_entropy if ctx.entropy_grad else None, ctx.temperature)
-        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None, None
+        inputs = [tensor for tensor, want in zip([states, *params], wanted) if want]
+        grads = iter(torch.autograd.grad(logits, inputs, grad_logits) if inputs else ())
+        return (next(grads) if wanted[0] else None, None, None, None, None, None,
+                *(next(grads) if want else None for want in wanted[1:]))
 
 
-def projected_scores(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float,
+def projected_scores(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
                      entropy_grad: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, H) final hidden states, (V, H) output weight, (N,) tokens -> float32 (N,) log
-    p(token) and entropy of softmax(hidden @ weight.T / temperature). Differentiable in the
-    hidden states and the weight; the entropy too with `entropy_grad` (else it is a figure).
-    `compiled`: the two passes over the logits through torch.compile."""
-    return _ProjectedScores.apply(hidden, weight, tokens, temperature, entropy_grad, compiled)
+    """(N, H) final hidden states, (N,) tokens -> float32 (N,) log p(token) and entropy of
+    softmax(head(hidden) / temperature). Differentiable in the hidden states and the head's
+    parameters; the entropy too with `entropy_grad` (else it is a figure). `compiled`: the
+    two passes over the logits through torch.compile."""
+    return _ProjectedScores.apply(hidden, tokens, temperature, entropy_grad, compiled, head, *head.parameters())

@@ -6,7 +6,6 @@ import logging
 import weakref
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
 from pipeline.models import position_ids
@@ -227,38 +226,17 @@ def _chunked_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, tempera
 def _chunked_scores(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     entropy_grad: bool | None, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(..., H) final hidden states, (...) tokens -> float32 logprobs and entropy (None when
-    entropy_grad is None) shaped as `targets`, LOGIT_CHUNK_TOKENS tokens' logits at a time.
-    A plain linear head goes through vocab_scores.projected_scores; another head's logits
-    are differentiated op by op, each chunk checkpointed. For a `compiled` model, the passes
-    over the logits run through torch.compile either way."""
+    entropy_grad is None) shaped as `targets`, LOGIT_CHUNK_TOKENS tokens' logits at a time
+    (vocab_scores.projected_scores; for a `compiled` model its passes over the logits run
+    through torch.compile)."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    plain = plain_linear(head)
-    project = _compiled_project if compiled else _project
-    parts = []
-    for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS):
-        states, tokens = flat_hidden[start:start + LOGIT_CHUNK_TOKENS], flat_targets[start:start + LOGIT_CHUNK_TOKENS]
-        if plain:
-            parts.append(projected_scores(states, head.weight, tokens, temperature, bool(entropy_grad), compiled))
-        elif torch.is_grad_enabled():
-            parts.append(checkpoint(project, head, states, tokens, temperature, entropy_grad, use_reentrant=False))
-        else:
-            parts.append(project(head, states, tokens, temperature, entropy_grad))
+    parts = [projected_scores(head, flat_hidden[start:start + LOGIT_CHUNK_TOKENS],
+                              flat_targets[start:start + LOGIT_CHUNK_TOKENS], temperature, bool(entropy_grad), compiled)
+             for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS)]
     logprobs = torch.cat([p[0] for p in parts]).view(targets.shape)
     if entropy_grad is None:
         return logprobs, None
     return logprobs, torch.cat([p[1] for p in parts]).view(targets.shape)
-
-
-def plain_linear(head) -> bool:
-    """Whether `head` is a linear layer without a bias (vocab_scores covers those)."""
-    return isinstance(head, torch.nn.Linear) and head.bias is None
-
-
-def _project(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy_grad: bool | None):
-    return _project_logits(head(hidden), tokens, temperature, entropy_grad)
-
-
-_compiled_project = torch.compile(_project, dynamic=True)   # compiles on its first call
 
 
 def _project_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,

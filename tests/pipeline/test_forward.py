@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.algorithms import entropy_from_logits, logprobs_from_logits
+from pipeline.algorithms import logprobs_from_logits
 from pipeline.models import load_causal_lm
 from pipeline.roles import forward
 from pipeline.roles.forward import response_logprobs
@@ -159,21 +159,17 @@ def test_the_actor_warm_up_compiles_its_update_and_leaves_its_state(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "the update compiled again"
 
 
-def test_a_head_with_a_bias_is_differentiated_op_by_op(small_chunks):
-    """Only a plain linear head goes through vocab_scores; a head with a bias takes the
-    checkpointed chunks, with the same logprobs, entropy and gradients as its logits."""
-    torch.manual_seed(0)
-    head = torch.nn.Linear(8, 50)
-    hidden = torch.randn(3, 7, 8, requires_grad=True)
-    targets = torch.randint(0, 50, (3, 7))
-    logprobs, entropy = forward._chunked_scores(head, hidden, targets, 0.8, True)
-    (logprobs.sum() + entropy.sum()).backward()
-    got = hidden.grad.clone(), head.bias.grad.clone()
-    hidden.grad, head.bias.grad = None, None
-    logits = head(hidden)
-    expected = logprobs_from_logits(logits, targets, 0.8), entropy_from_logits(logits / 0.8)
-    (expected[0].sum() + expected[1].sum()).backward()
-    torch.testing.assert_close(logprobs, expected[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, expected[1], atol=1e-5, rtol=0)
-    torch.testing.assert_close(got[0], hidden.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], head.bias.grad, atol=1e-5, rtol=1e-5)
+
+def test_a_hook_on_the_head_added_later_counts(tiny_model, small_chunks):
+    """The projection calls the head: a forward hook added after the model's first forward
+    (its path already chosen) still shapes the logprobs, as it does the model's own logits."""
+    model = load_causal_lm(tiny_model).eval()
+    ids, mask, prompt = _batch(model.config.vocab_size)
+    response_logprobs(model, ids, mask, prompt, 1.0)
+    assert forward._SEPARABLE[model] is True
+    hook = model.lm_head.register_forward_hook(lambda module, args, logits: logits * 3.0)
+    try:
+        got = response_logprobs(model, ids, mask, prompt, 1.0)
+        torch.testing.assert_close(got, _reference(model, ids, mask, prompt, 1.0), rtol=0, atol=1e-5)
+    finally:
+        hook.remove()
