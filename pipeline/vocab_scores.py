@@ -21,28 +21,40 @@ from __future__ import annotations
 import torch
 
 
-def token_scores(logits: torch.Tensor, tokens: torch.Tensor,
-                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, V) logits, (N,) tokens -> float32 (N,) log p(token), entropy and log-sum-exp of
-    softmax(logits / temperature)."""
-    z = logits.float() / temperature
+def token_scores(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(N, V) logits, (N,) tokens -> float32 (N,) log p(token), entropy (None unless
+    `with_entropy`) and log-sum-exp of softmax(logits / temperature)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
-    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
-    return z.gather(-1, tokens[:, None]).squeeze(-1) - lse, entropy, lse
+    logprobs = z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, None, lse
+    p = torch.sub(z, lse[:, None]).exp_()
+    return logprobs, lse - p.mul_(z).sum(-1), lse
 
 
-def logits_gradient(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+def logits_gradient(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                     grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
                     temperature: float) -> torch.Tensor:
     """The gradient of sum(grad_logprobs * log p(token) + grad_entropy * H) over the logits,
-    in their dtype (grad_entropy None: the entropy was not differentiated)."""
-    logp = logits.float() / temperature - lse[:, None]
-    p = torch.exp(logp)
-    picked = torch.arange(logits.shape[-1], device=logits.device)[None, :] == tokens[:, None]
-    grad = grad_logprobs[:, None] * (picked.float() - p)
-    if grad_entropy is not None:
-        grad = grad - grad_entropy[:, None] * p * (logp + entropy[:, None])
-    return (grad / temperature).to(logits.dtype)
+    in their dtype (grad_entropy None: the entropy was not differentiated). In place where it
+    can: eagerly each (N, V) pass is a kernel and an allocation."""
+    logp = logits.float() - (lse * temperature)[:, None]
+    if temperature != 1.0:
+        logp.div_(temperature)
+    p = logp.exp()
+    if grad_entropy is None:
+        grad = p.mul_(-grad_logprobs[:, None])
+    else:   # -g_H p (log p + H) - g_logp p
+        grad = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None]).sub_(p.mul_(grad_logprobs[:, None]))
+    rows = torch.arange(len(tokens), device=logits.device)
+    grad.index_put_((rows, tokens), grad_logprobs, accumulate=True)   # + g_logp onehot(token)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(logits.dtype)
 
 
 # Compiled (dynamic shapes: the last chunk is shorter) for models trained compiled, where
@@ -57,11 +69,13 @@ class _ProjectedScores(torch.autograd.Function):
     it does (a bias, forward hooks) counts both times."""
 
     @staticmethod
-    def forward(ctx, hidden, tokens, temperature: float, entropy_grad: bool, compiled: bool, head, *params):
+    def forward(ctx, hidden, tokens, temperature: float, entropy_grad: bool | None, compiled: bool, head, *params):
         scores = _compiled_token_scores if compiled else token_scores
-        logprobs, entropy, lse = scores(head(hidden), tokens, temperature)
+        logprobs, entropy, lse = scores(head(hidden), tokens, temperature, entropy_grad is not None)
+        if entropy is None:   # not asked for: an empty placeholder (a function's outputs are tensors)
+            entropy = logprobs.new_empty(0)
         ctx.save_for_backward(hidden, tokens, lse, entropy, *params)
-        ctx.head, ctx.temperature, ctx.entropy_grad, ctx.compiled = head, temperature, entropy_grad, compiled
+        ctx.head, ctx.temperature, ctx.entropy_grad, ctx.compiled = head, temperature, bool(entropy_grad), compiled
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -83,9 +97,12 @@ class _ProjectedScores(torch.autograd.Function):
 
 
 def projected_scores(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                     entropy_grad: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     entropy_grad: bool | None = False,
+                     compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(N, H) final hidden states, (N,) tokens -> float32 (N,) log p(token) and entropy of
     softmax(head(hidden) / temperature). Differentiable in the hidden states and the head's
-    parameters; the entropy too with `entropy_grad` (else it is a figure). `compiled`: the
-    two passes over the logits through torch.compile."""
-    return _ProjectedScores.apply(hidden, tokens, temperature, entropy_grad, compiled, head, *head.parameters())
+    parameters; the entropy too with `entropy_grad` True (False: a figure; None: not
+    computed, returned as None). `compiled`: the passes over the logits through torch.compile."""
+    logprobs, entropy = _ProjectedScores.apply(hidden, tokens, temperature, entropy_grad, compiled, head,
+                                               *head.parameters())
+    return logprobs, None if entropy_grad is None else entropy

@@ -231,7 +231,7 @@ def _chunked_scores(head, hidden: torch.Tensor, targets: torch.Tensor, temperatu
     through torch.compile)."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     parts = [projected_scores(head, flat_hidden[start:start + LOGIT_CHUNK_TOKENS],
-                              flat_targets[start:start + LOGIT_CHUNK_TOKENS], temperature, bool(entropy_grad), compiled)
+                              flat_targets[start:start + LOGIT_CHUNK_TOKENS], temperature, entropy_grad, compiled)
              for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS)]
     logprobs = torch.cat([p[0] for p in parts]).view(targets.shape)
     if entropy_grad is None:

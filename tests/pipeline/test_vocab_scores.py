@@ -43,7 +43,8 @@ def test_temperature_by_hand():
     """Logits (0, 2 ln 3) at temperature 2 give the same p = (1/4, 3/4); the gradient of
     log p_0 over the logits is (onehot(0) - p) / 2."""
     hidden = torch.tensor([[0.0, 2 * math.log(3.0)]], requires_grad=True)
-    logprobs, _ = projected_scores(_linear(torch.eye(2)), hidden, torch.tensor([0]), 2.0)
+    logprobs, entropy = projected_scores(_linear(torch.eye(2)), hidden, torch.tensor([0]), 2.0, entropy_grad=None)
+    assert entropy is None   # not asked for: not computed
     assert logprobs.item() == pytest.approx(math.log(0.25), abs=1e-6)
     logprobs.sum().backward()
     assert hidden.grad[0].tolist() == pytest.approx([0.75 / 2, -0.75 / 2], abs=1e-6)
