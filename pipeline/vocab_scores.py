@@ -12,8 +12,8 @@ turns them into their gradient in one pass:
     d log p_t / dz = onehot(t) - p
     dH / dz        = -p (log p + H)
 
-then the head's own backward (a linear head's two products). Everything is computed in float32 from
-the logits and the gradient handed back in the logits' dtype, as autograd would.
+then the head's own backward (a linear head's two products). Everything is computed in
+float32 from the logits and the gradient handed back in the logits' dtype, as autograd would.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ def test_a_prompt_shared_by_a_groups_samples_is_prefilled_once(model_and_tokeniz
     try:
         for sharing in (True, False):
             if not sharing:   # every row its own prefix: the prefill of each row
-                monkeypatch.setattr(continuous, "distinct_prefixes", lambda prefixes: [[i] for i in range(len(prefixes))])
+                monkeypatch.setattr(continuous, "distinct_prefixes", lambda rows: [[i] for i in range(len(rows))])
             engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu",
                                      max_batch_size=16, prompt_bucket=16, check_every=2)
             rollouts[sharing] = engine.generate(request, policy_version=0)
