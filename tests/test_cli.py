@@ -216,7 +216,8 @@ def test_version_prints_the_package_version():
     assert result.returncode == 0 and result.stdout.strip() == f"dask-rl {__version__}"
 
 
-@pytest.mark.parametrize("model", ["/nonexistent/dask-rl-model", "examples"])
+@pytest.mark.parametrize("model", ["/nonexistent/dask-rl-model",
+                                   pytest.param("examples", marks=pytest.mark.slow)])   # a second process start
 def test_a_bad_actor_model_exits_2_with_one_line_naming_the_key(tmp_path, model):
     run_file = tmp_path / "run.yaml"
     run_file.write_text(QUICKSTART.read_text().replace("actor_model: tiny", f"actor_model: {ROOT / model}")
