@@ -117,3 +117,17 @@ def test_the_heads_bias_and_forward_hooks_count_in_both_passes():
     torch.testing.assert_close(entropy, expected[1], atol=1e-5, rtol=0)
     for got, want in zip(mine, theirs):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_the_scattered_and_the_elementwise_one_hot_give_one_gradient(with_entropy):
+    """Eagerly the token's one-hot is a scatter, compiled a comparison: the same numbers."""
+    from pipeline.vocab_scores import logits_gradient, token_scores
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 40, generator=generator) * 3
+    tokens = torch.randint(0, 40, (9,), generator=generator)
+    grad_logprobs, grad_entropy = torch.randn(9, generator=generator), torch.randn(9, generator=generator)
+    _, entropy, lse = token_scores(logits, tokens, 0.6)
+    args = (logits, tokens, lse, entropy, grad_logprobs, grad_entropy if with_entropy else None, 0.6)
+    torch.testing.assert_close(logits_gradient(*args, elementwise=True), logits_gradient(*args), atol=1e-6, rtol=0)
