@@ -50,11 +50,11 @@ import types
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.shapes import geometric_lengths, padded_rows, qwen2_05b_config, share_prompts  # noqa: E402
+from benchmarks.vocab_scores import autograd_projection  # noqa: E402
 from pipeline.packing import SHARED_PROMPTS, computed_tokens, pack_shared_prompts, plan_packing  # noqa: E402
 from pipeline.records import Experience  # noqa: E402
 from pipeline.roles import forward  # noqa: E402
@@ -123,22 +123,6 @@ def profile(trainable: Trainable, batch: Experience, micro_batch_size, pack: boo
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         gaps_report(trace.name)
-
-
-def _project(head, hidden, tokens, temperature: float, entropy_grad: bool):
-    return forward._project_logits(head(hidden), tokens, temperature, entropy_grad)
-
-
-_compiled_project = torch.compile(_project, dynamic=True)
-
-
-def autograd_projection(head, hidden, tokens, temperature: float, entropy_grad: bool, compiled: bool):
-    """The projection as it was before vocab_scores: each chunk's logits, log-softmax and
-    entropy differentiated op by op, the chunk checkpointed (recomputed in the backward)."""
-    project = _compiled_project if compiled else _project
-    if not torch.is_grad_enabled():
-        return project(head, hidden, tokens, temperature, entropy_grad)
-    return checkpoint(project, head, hidden, tokens, temperature, entropy_grad, use_reentrant=False)
 
 
 def main(argv=None) -> dict:
