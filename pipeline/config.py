@@ -95,9 +95,8 @@ class TrainConfig:
     # response attending to the prompt and itself (roles/shared_attention.py). Off by
     # default: with 128-token prompts and 8 x 256-token responses it computes 27% fewer
     # tokens, and on an H100 the batch-256 GRPO step took 1.69 against 1.75 s; on
-    # long-tailed lengths (mean 215, cut at 1024), with every response's attention padded to
-    # the micro-batch's longest, an update took 1.82 against 0.97 s (responses now attend in
-    # tiles of similar lengths: unmeasured).
+    # long-tailed lengths (mean 215, cut at 1024) an update took 2.00 against 0.98 s packing
+    # whole rows, its responses attended in four tiles of similar lengths.
     share_prompts: bool = False
     # Actor and critic recompute each transformer block in the backward pass instead of
     # keeping its activations: far less GPU memory for about a third more update compute.

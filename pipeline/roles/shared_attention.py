@@ -73,8 +73,9 @@ class Tile:
 class PromptsThenResponses:
     """A packed micro-batch's prompts and responses as the attention's tiles: `prompts`,
     one span per unit; `responses`, the rows' responses in RESPONSE_TILES tiles of similar
-    lengths (fewer for fewer rows, or where two would be as wide: one for equal lengths); `place`: (T,) the flat index into N*W of every real token
-    of the tiles, prompts first, then each response tile's, where its output goes. The masks
+    lengths (fewer for fewer rows, or where two would be as wide: one for equal lengths);
+    `place`: (T,) the flat index into N*W of every real token of the tiles, prompts first,
+    then each response tile's, where its output goes. The masks
     are made from these in the attention itself: inside a compiled block their sizes then
     follow these tensors' and are never compiled in as constants."""
 
