@@ -1,8 +1,12 @@
 """How a slot request lays out its prefill passes (continuous.SlotRun): prompt widths, which
-prefixes share a pass, and the attention mask a pass runs under. Pure functions of lengths
-and masks, apart from the slot loop that uses them."""
+prefixes share a pass or a computation, and the attention mask a pass runs under (pure
+functions of lengths and masks, apart from the slot loop that uses them); and the clock of
+the passes' time."""
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 import torch
 
@@ -46,3 +50,32 @@ def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
     mask = causal & prompt_mask.bool()[:, None, None, :]
     return mask | ~mask.any(-1, keepdim=True)
+
+
+class PassClock:
+    """The time prefill passes take: on CUDA a pair of events a pass, read once at the end
+    (no wait for the device per pass), elsewhere the wall clock."""
+
+    def __init__(self, on_cuda: bool):
+        self.on_cuda = on_cuda
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.wall_ms = 0.0
+
+    def start(self) -> Callable[[], None]:
+        """Starts timing a pass; the returned function ends it."""
+        if self.on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.events.append((start, end))
+            return end.record
+        began = time.perf_counter()
+
+        def stop():
+            self.wall_ms += 1e3 * (time.perf_counter() - began)
+        return stop
+
+    def milliseconds(self) -> float:
+        """Every pass's time so far, once the last has ended."""
+        if self.events:
+            self.events[-1][1].synchronize()
+        return self.wall_ms + sum(start.elapsed_time(end) for start, end in self.events)

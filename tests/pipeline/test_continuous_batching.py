@@ -270,6 +270,7 @@ def test_a_prompt_shared_by_a_groups_samples_is_prefilled_once(model_and_tokeniz
     shared = stats[True]["prefill_shared"]
     assert stats[True]["prefill_tokens"] == (48 - shared) * 16
     assert 12 <= shared <= 36, stats[True]
+    assert stats[True]["prefill_ms"] > 0 and stats[False]["prefill_ms"] > 0   # the passes' clock ran
 
 
 def test_the_decode_kernel_leaves_a_cpu_engine_on_sdpa(model_and_tokenizer):
