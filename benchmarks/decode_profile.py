@@ -9,6 +9,7 @@ GPU time a step, the kernels a step, and the kernels that take the most time.
 
     python benchmarks/decode_profile.py --slots 8 256
     python benchmarks/decode_profile.py --slots 256 --unfused    # projections unfused, to compare
+    python benchmarks/decode_profile.py --slots 256 --vocab-stretches 1   # the sampler over whole rows
 
 Each slot count is one decode graph to compile (from Inductor's cache where it has it).
 """
@@ -27,6 +28,7 @@ from shapes import (  # noqa: E402
     add_engine_options, engine_options, end_with_probability, save_qwen2_05b, word_prompts,
 )
 
+from pipeline.engines import sampling  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
 from pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
@@ -70,8 +72,11 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
+    parser.add_argument("--vocab-stretches", type=int, default=sampling.VOCAB_STRETCHES,
+                        help="the sampler's stretches of the vocabulary a row (1: whole rows, as before)")
     add_engine_options(parser)
     args = parser.parse_args(argv)
+    sampling.VOCAB_STRETCHES = args.vocab_stretches   # read when the decode step is traced
     name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"
     directory = save_qwen2_05b(Path(tempfile.gettempdir()) / name, layers=args.layers)
     model = load_causal_lm(directory, device=args.device, dtype=torch.bfloat16)

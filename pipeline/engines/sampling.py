@@ -56,11 +56,37 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     probability p_i): one pass over the (filtered) logits, and it runs inside a CUDA graph.
     """
     scaled = logits.float() / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
     allowed = filter_logits(scaled, top_k, top_p, min_p) if filters_active(top_k, top_p, min_p) else scaled
-    race = allowed - torch.empty_like(logp).exponential_().log()  # a shift of `allowed` picks the same
-    tokens = race.argmax(dim=-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    race = allowed - torch.empty_like(allowed).exponential_().log()  # a shift of `allowed` picks the same
+    tokens = _argmax_by_stretches(race)
+    logsumexp = torch.logsumexp(torch.logsumexp(_stretches(scaled), dim=-1), dim=-1)
+    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - logsumexp
+
+
+# The sampler reduces each row over the vocabulary in this many stretches, then over their
+# results. Compiled, a reduction over whole rows is one program a row: 256 rows of 152k
+# logits kept an H100's 132 multiprocessors at two programs each, and the sampler took 0.2 ms
+# of a 2.2 ms decode step.
+VOCAB_STRETCHES = 32
+
+
+def _stretches(values: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B, S, ceil(V / S)), the vocabulary in S stretches, the last padded with -inf
+    (nothing for a maximum, exp(-inf) = 0 for a sum)."""
+    rows, width = values.shape
+    count = min(VOCAB_STRETCHES, width)
+    length = -(-width // count)
+    if count * length > width:
+        values = torch.nn.functional.pad(values, (0, count * length - width), value=float("-inf"))
+    return values.view(rows, count, length)
+
+
+def _argmax_by_stretches(values: torch.Tensor) -> torch.Tensor:
+    """values.argmax(-1) of a (B, V) tensor through its stretches (the first of equal maxima)."""
+    stretches = _stretches(values)
+    best, where = stretches.max(dim=-1)                # (B, S) each stretch's maximum and its place
+    stretch = best.argmax(dim=-1, keepdim=True)        # (B, 1) the first stretch holding the row's
+    return (stretch * stretches.shape[-1] + where.gather(-1, stretch)).squeeze(-1)
 
 
 def cumsum_in_blocks(values: torch.Tensor, block: int = 256) -> torch.Tensor:

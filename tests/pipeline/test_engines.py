@@ -135,6 +135,23 @@ def test_sampling_matches_the_distribution_and_filters():
     assert tokens.tolist() == [0] * 100 and torch.allclose(logprobs, torch.full((100,), math.log(0.5)))
 
 
+def test_the_sampler_reduces_the_vocabulary_in_stretches_to_the_same_result():
+    """The sampler's argmax and log-sum-exp go through stretches of the vocabulary (so that a
+    compiled step reduces each row in many programs): the same token, the same logprob."""
+    from pipeline.engines.sampling import VOCAB_STRETCHES, _argmax_by_stretches
+    torch.manual_seed(0)
+    for width in (VOCAB_STRETCHES * 7, VOCAB_STRETCHES * 7 + 5, 3):   # even stretches, a padded last one, fewer
+        values = torch.randn(6, width)
+        values[0, :] = 1.0                                   # ties everywhere: the first index
+        values[1, width // 2] = values[1, -1] = 9.0          # a tie across stretches: the first
+        values[2, : max(1, width - 1)] = float("-inf")       # whole stretches filtered out
+        assert _argmax_by_stretches(values).tolist() == values.argmax(-1).tolist()
+        assert _argmax_by_stretches(values).tolist()[:3] == [0, width // 2, width - 1]
+        tokens, logprobs = sample_tokens(values[3:], temperature=0.7)
+        expected = torch.log_softmax(values[3:] / 0.7, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs, expected, atol=1e-6, rtol=0)
+
+
 def test_buckets_bound_the_shapes():
     assert [bucket_batch(n) for n in (1, 8, 9, 64, 65, 256)] == [8, 8, 16, 64, 128, 256]
     assert [bucket_length(n, 64) for n in (1, 64, 65, 130)] == [64, 64, 128, 192]
