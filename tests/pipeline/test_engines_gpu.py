@@ -70,7 +70,8 @@ def test_compiled_prefill_matches_the_actor_over_passes_of_several_sizes(model, 
 
     from pipeline.engines import continuous
 
-    monkeypatch.setattr(continuous, "PREFILL_PASS_TOKENS", 20 * 64)   # 64 rows of 64 columns: passes of 20, 20, 20, 4
+    # 32 prompts of 64 columns, each prefilled once for its two samples: passes of 10, 10, 10, 2.
+    monkeypatch.setattr(continuous, "PREFILL_PASS_TOKENS", 10 * 64)
     engine = CudaGraphEngine(model, pad_id=0, eos_id=1, device="cuda", compile_prefill=True)
     rollout = engine.generate(_request(), 0)
     assert engine.last_stats["prefill_passes"] >= 3
