@@ -9,7 +9,7 @@ GPU time a step, the kernels a step, and the kernels that take the most time.
 
     python benchmarks/decode_profile.py --slots 8 256
     python benchmarks/decode_profile.py --slots 256 --unfused    # projections unfused, to compare
-    python benchmarks/decode_profile.py --slots 256 --vocab-stretches 1   # the sampler over whole rows
+    python benchmarks/decode_profile.py --slots 256 --sampler race   # the sampler before (an exponential race)
 
 Each slot count is one decode graph to compile (from Inductor's cache where it has it).
 """
@@ -28,10 +28,22 @@ from shapes import (  # noqa: E402
     add_engine_options, engine_options, end_with_probability, save_qwen2_05b, word_prompts,
 )
 
-from pipeline.engines import sampling  # noqa: E402
+from pipeline.engines import continuous, cuda_graph  # noqa: E402
 from pipeline.engines.cuda_graph import CudaGraphEngine  # noqa: E402
+from pipeline.engines.sampling import filter_logits, filters_active  # noqa: E402
 from pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.records import GenerationRequest  # noqa: E402
+
+
+def race_sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                       min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engines' sampler until 2026-12-07: argmax_i p_i / E_i with E_i ~ Exp(1), one random
+    number a logit, and the log-softmax of the whole row."""
+    scaled = logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    allowed = filter_logits(scaled, top_k, top_p, min_p) if filters_active(top_k, top_p, min_p) else scaled
+    tokens = (allowed - torch.empty_like(logp).exponential_().log()).argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def profile_slots(model, tokenizer, slots: int, args) -> None:
@@ -72,11 +84,13 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check that the script runs (eager, no graphs)")
     parser.add_argument("--layers", type=int, default=24, help="fewer for a quick check")
-    parser.add_argument("--vocab-stretches", type=int, default=sampling.VOCAB_STRETCHES,
-                        help="the sampler's stretches of the vocabulary a row (1: whole rows, as before)")
+    parser.add_argument("--sampler", choices=["inverse", "race"], default="inverse",
+                        help="inverse: dask-rl's (one uniform a row); race: an exponential race over every "
+                             "logit, the sampler before")
     add_engine_options(parser)
     args = parser.parse_args(argv)
-    sampling.VOCAB_STRETCHES = args.vocab_stretches   # read when the decode step is traced
+    if args.sampler == "race":
+        continuous.sample_tokens = cuda_graph.sample_tokens = race_sample_tokens
     name = "dask-rl-qwen2-0.5b" if args.layers == 24 else f"dask-rl-qwen2-0.5b-{args.layers}-layers"
     directory = save_qwen2_05b(Path(tempfile.gettempdir()) / name, layers=args.layers)
     model = load_causal_lm(directory, device=args.device, dtype=torch.bfloat16)

@@ -204,23 +204,27 @@ def test_the_prefill_mask_is_causal_over_real_keys():
 def test_acting_on_the_last_look_serves_the_same_sequences(model_and_tokenizer, monkeypatch):
     """Refills and moves decided from the look before (the default) against the present:
     every sequence still ends at its first EOS or its limit with the actor's logprobs, and
-    the late looks cost at most a few decode steps a request."""
+    the late looks cost a bounded share of decode steps. The two ways sample different
+    sequences (a slot draws its tokens at other steps), so the steps are summed over four
+    requests: here responses of about 11 tokens, where a refill one look (4 steps) late
+    costs most, take about a quarter more steps."""
     model, tokenizer = model_and_tokenizer
     eos = tokenizer.eos_token_id
-    request = _request(tokenizer, prompts=16, samples=4, new_tokens=40)
-    steps = {}
+    steps = {False: 0, True: 0}
     hook = _eos_bias(model, eos, 1.5)
     try:
-        for lagged in (False, True):
-            monkeypatch.setattr(continuous, "LAGGED_LOOKS", lagged)
-            engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu",
-                                     max_batch_size=16, check_every=4)
-            rollout = engine.generate(request, policy_version=0)
-            _check_against_the_actor(model, request, rollout, eos)
-            steps[lagged] = engine.last_stats["decode_steps"]
+        for seed in (3, 4, 5, 6):
+            request = _request(tokenizer, prompts=16, samples=4, new_tokens=40, seed=seed)
+            for lagged in (False, True):
+                monkeypatch.setattr(continuous, "LAGGED_LOOKS", lagged)
+                engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=eos, device="cpu",
+                                         max_batch_size=16, check_every=4)
+                rollout = engine.generate(request, policy_version=0)
+                _check_against_the_actor(model, request, rollout, eos)
+                steps[lagged] += engine.last_stats["decode_steps"]
     finally:
         hook.remove()
-    assert steps[False] <= steps[True] <= steps[False] * 1.3, steps
+    assert steps[False] <= steps[True] <= steps[False] * 1.4, steps
 
 
 def test_prefill_passes_hold_at_most_prefill_pass_tokens(model_and_tokenizer, monkeypatch):

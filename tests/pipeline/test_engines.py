@@ -135,21 +135,37 @@ def test_sampling_matches_the_distribution_and_filters():
     assert tokens.tolist() == [0] * 100 and torch.allclose(logprobs, torch.full((100,), math.log(0.5)))
 
 
-def test_the_sampler_reduces_the_vocabulary_in_stretches_to_the_same_result():
-    """The sampler's argmax and log-sum-exp go through stretches of the vocabulary (so that a
-    compiled step reduces each row in many programs): the same token, the same logprob."""
-    from pipeline.engines.sampling import VOCAB_STRETCHES, _argmax_by_stretches
+@pytest.mark.parametrize("width", [5, 29, 1000, 1003])   # fewer tokens than stretches, even ones, a padded last
+def test_the_sampler_follows_the_distribution_across_stretches(width):
+    """One uniform number a row picks a stretch of the vocabulary by their masses, then a
+    token within it: the frequencies are the probabilities wherever the mass lies, filtered
+    tokens never come out, and the logprob is log_softmax's."""
     torch.manual_seed(0)
-    for width in (VOCAB_STRETCHES * 7, VOCAB_STRETCHES * 7 + 5, 3):   # even stretches, a padded last one, fewer
-        values = torch.randn(6, width)
-        values[0, :] = 1.0                                   # ties everywhere: the first index
-        values[1, width // 2] = values[1, -1] = 9.0          # a tie across stretches: the first
-        values[2, : max(1, width - 1)] = float("-inf")       # whole stretches filtered out
-        assert _argmax_by_stretches(values).tolist() == values.argmax(-1).tolist()
-        assert _argmax_by_stretches(values).tolist()[:3] == [0, width // 2, width - 1]
-        tokens, logprobs = sample_tokens(values[3:], temperature=0.7)
-        expected = torch.log_softmax(values[3:] / 0.7, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-        torch.testing.assert_close(logprobs, expected, atol=1e-6, rtol=0)
+    probs = torch.zeros(width)
+    spots = torch.tensor([0, width // 3, width // 2 + 1, width - 1])   # in different stretches
+    probs[spots] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = torch.where(probs > 0, probs.log(), torch.tensor(-1e4)).expand(40000, -1)   # the rest: mass ~0
+    tokens, logprobs = sample_tokens(logits, temperature=1.0)
+    frequency = torch.bincount(tokens, minlength=width).float() / len(tokens)
+    torch.testing.assert_close(frequency[spots], probs[spots], atol=0.01, rtol=0)
+    assert frequency.sum() == 1 and set(tokens.unique().tolist()) <= set(spots.tolist())
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits[:1], -1)[0, tokens])
+    # Temperature 2 flattens them: square roots, renormalised; top_k=2 keeps the two likeliest.
+    tokens, _ = sample_tokens(logits, temperature=2.0, top_k=2)
+    kept = probs[spots[:2]].sqrt() / probs[spots[:2]].sqrt().sum()
+    frequency = torch.bincount(tokens, minlength=width).float() / len(tokens)
+    torch.testing.assert_close(frequency[spots[:2]], kept, atol=0.01, rtol=0)
+    assert frequency[spots[:2]].sum() == 1
+
+
+def test_the_sampler_never_picks_a_token_without_mass():
+    """Where the uniform lands on a running sum's rounding, the pick falls back to the last
+    token with mass, never a filtered-out or padded one."""
+    from pipeline.engines.sampling import _first_above
+    masses = torch.tensor([[0.5, 0.0, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0], [0.2, 0.3, 0.5, 0.0]])
+    running = masses.cumsum(-1)
+    targets = torch.tensor([0.7, 1.0, 0.1])     # inside the third; at the total (rounding); inside the first
+    assert _first_above(running, targets, masses).tolist() == [2, 1, 0]
 
 
 def test_buckets_bound_the_shapes():
