@@ -158,6 +158,22 @@ def test_the_sampler_follows_the_distribution_across_stretches(width):
     assert frequency[spots[:2]].sum() == 1
 
 
+def test_the_sampler_follows_a_smooth_distribution():
+    """Mass spread over every token: the frequency of each stretch of the vocabulary and of
+    the likeliest tokens within them match softmax's probabilities."""
+    from pipeline.engines.sampling import VOCAB_STRETCHES
+    torch.manual_seed(1)
+    width, draws = 2016, 20000   # 32 stretches of 63
+    logits = torch.randn(width) * 2
+    tokens, _ = sample_tokens(logits.expand(draws, -1), temperature=1.0)
+    probs = torch.softmax(logits, -1)
+    frequency = torch.bincount(tokens, minlength=width).float() / draws
+    per_stretch = lambda values: values.view(VOCAB_STRETCHES, -1).sum(-1)   # noqa: E731
+    torch.testing.assert_close(per_stretch(frequency), per_stretch(probs), atol=0.012, rtol=0)
+    likeliest = probs.topk(10).indices
+    torch.testing.assert_close(frequency[likeliest], probs[likeliest], atol=0.006, rtol=0)
+
+
 def test_the_sampler_never_picks_a_token_without_mass():
     """Where the uniform lands on a running sum's rounding, the pick falls back to the last
     token with mass, never a filtered-out or padded one."""
