@@ -63,8 +63,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     allowed = filter_logits(scaled, top_k, top_p, min_p) if filters_active(top_k, top_p, min_p) else scaled
     stretches = _stretches(allowed)                                  # (B, S, L)
     peak = stretches.amax(dim=-1).amax(dim=-1)                       # (B,) finite: one token always survives
-    weights = torch.exp(stretches - peak[:, None, None])             # masses relative to the peak, 0 for -inf
-    masses = weights.sum(dim=-1)                                     # (B, S)
+    # Masses relative to the peak (0 for -inf), summed in the same pass: never written out.
+    masses = torch.exp(stretches - peak[:, None, None]).sum(dim=-1)  # (B, S)
     if allowed is scaled:
         logsumexp = peak + masses.sum(dim=-1).log()
     else:
@@ -72,10 +72,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     running = masses.cumsum(dim=-1)                                  # (B, S)
     target = torch.rand_like(peak) * running[:, -1]                  # where the row's uniform falls
     stretch = _first_above(running, target, masses)                  # (B,)
-    within = weights.gather(1, stretch[:, None, None].expand(-1, 1, weights.shape[-1])).squeeze(1)   # (B, L)
+    # The second look reads the chosen stretch alone.
+    chosen = stretches.gather(1, stretch[:, None, None].expand(-1, 1, stretches.shape[-1])).squeeze(1)   # (B, L)
+    within = torch.exp(chosen - peak[:, None])
     before = running.gather(1, stretch[:, None]).squeeze(1) - masses.gather(1, stretch[:, None]).squeeze(1)
     place = _first_above(cumsum_in_blocks(within), target - before, within)
-    tokens = stretch * weights.shape[-1] + place
+    tokens = stretch * stretches.shape[-1] + place
     return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - logsumexp
 
 
