@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Long-tail figures on one GPU, each part under its own time limit (seconds, from the *_LIMIT
-# variables): PARTS="start tests engine partial prefill attention sharedattention profile update updateshared grpo256 grpo256partial grpo256fixed grpo64"
+# variables): PARTS="start tests engine partial prefill attention sharedattention profile sampler update updateshared grpo256 grpo256partial grpo256fixed grpo64"
+# (sampler: decode_profile.py with the exponential race, the sampler before, then the inverse one)
 # (updateshared: the batch-256 fixed-length update with and without train.share_prompts, profiled;
 # sharedattention: one layer's attention of that update alone, FlexAttention against cuDNN)
 # (default: tests engine update; MAX_STALENESS, default 2, for the partial parts; KV="prefill keep",
@@ -62,6 +63,8 @@ for p in ${PARTS:-tests engine update}; do
                      --json "$OUT/grpo256_partial.json" ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
         profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} $DECODE ${PROFILE_ARGS:-} ;;
+        sampler) for s in race inverse; do part sampler_$s ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py \
+                     --slots ${PROFILE_SLOTS:-256} --sampler $s --top 14 $DECODE ${PROFILE_ARGS:-}; done ;;
         attention) part attention ${ATTENTION_LIMIT:-150} python3 benchmarks/decode_attention.py ;;
         sharedattention) part sharedattention ${ATTENTION_LIMIT:-150} python3 benchmarks/shared_attention.py ;;
         update) part update ${UPDATE_LIMIT:-150} python3 benchmarks/packed_update.py --json "$OUT/packed_update.json" ${UPDATE_ARGS:-} ;;
