@@ -135,7 +135,7 @@ def test_sampling_matches_the_distribution_and_filters():
     assert tokens.tolist() == [0] * 100 and torch.allclose(logprobs, torch.full((100,), math.log(0.5)))
 
 
-@pytest.mark.parametrize("width", [5, 29, 224, 203])   # fewer tokens than stretches, even ones, a padded last
+@pytest.mark.parametrize("width", [5, 29, 224, 203])   # fewer tokens than stretches; 32 of 7; 29 of 7, 3 of padding
 def test_the_sampler_follows_the_distribution_across_stretches(width):
     """One uniform number a row picks a stretch of the vocabulary by their masses, then a
     token within it: the frequencies are the probabilities wherever the mass lies, filtered
