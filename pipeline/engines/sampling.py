@@ -61,23 +61,23 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     """
     scaled = logits.float() / temperature
     allowed = filter_logits(scaled, top_k, top_p, min_p) if filters_active(top_k, top_p, min_p) else scaled
-    stretches = _stretches(allowed)                                  # (B, S, L)
-    peak = stretches.amax(dim=-1).amax(dim=-1)                       # (B,) finite: one token always survives
-    # Masses relative to the peak (0 for -inf), summed in the same pass: never written out.
-    masses = torch.exp(stretches - peak[:, None, None]).sum(dim=-1)  # (B, S)
-    if allowed is scaled:
-        logsumexp = peak + masses.sum(dim=-1).log()
-    else:
-        logsumexp = torch.logsumexp(torch.logsumexp(_stretches(scaled), dim=-1), dim=-1)
-    running = masses.cumsum(dim=-1)                                  # (B, S)
-    target = torch.rand_like(peak) * running[:, -1]                  # where the row's uniform falls
-    stretch = _first_above(running, target, masses)                  # (B,)
+    stretches = _stretches(allowed)                                   # (B, S, L)
+    # Each stretch's log-mass in one pass over the row (a log-sum-exp keeps its running
+    # maximum and sum together); -inf for a stretch of filtered-out tokens or padding.
+    stretch_logsumexp = torch.logsumexp(stretches, dim=-1)            # (B, S)
+    allowed_logsumexp = torch.logsumexp(stretch_logsumexp, dim=-1)    # (B,)
+    masses = torch.exp(stretch_logsumexp - allowed_logsumexp[:, None])   # each stretch's probability
+    running = masses.cumsum(dim=-1)
+    target = torch.rand_like(allowed_logsumexp) * running[:, -1]      # where the row's uniform falls
+    stretch = _first_above(running, target, masses)                   # (B,)
     # The second look reads the chosen stretch alone.
     chosen = stretches.gather(1, stretch[:, None, None].expand(-1, 1, stretches.shape[-1])).squeeze(1)   # (B, L)
-    within = torch.exp(chosen - peak[:, None])
+    within = torch.exp(chosen - allowed_logsumexp[:, None])           # its tokens' probabilities
     before = running.gather(1, stretch[:, None]).squeeze(1) - masses.gather(1, stretch[:, None]).squeeze(1)
     place = _first_above(cumsum_in_blocks(within), target - before, within)
     tokens = stretch * stretches.shape[-1] + place
+    logsumexp = allowed_logsumexp if allowed is scaled else torch.logsumexp(
+        torch.logsumexp(_stretches(scaled), dim=-1), dim=-1)
     return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - logsumexp
 
 
