@@ -55,7 +55,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
 
     Sampling inverts the distribution's cumulative sum with one uniform number a row: the
     vocabulary is cut into VOCAB_STRETCHES stretches, the pass that takes each stretch's mass
-    (and the log-sum-exp) is the only one over the whole row, and the uniform picks a
+    (and the log-sum-exp) is, without filters, the only one over the whole row, and the uniform picks a
     stretch by their running masses, then a token by the running masses within that stretch
     alone. Shapes are fixed (no host syncs): it runs inside the captured decode step.
     """
