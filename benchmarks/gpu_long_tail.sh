@@ -49,7 +49,8 @@ for p in ${PARTS:-tests engine update}; do
                for i in 1 2; do part cluster_start_$i ${START_LIMIT:-60} python3 benchmarks/grpo_vs_trl.py \
                    --prompts-per-step 8 --dask-steps 3 --skip-trl --json "$OUT/cluster_start.json"; done ;;
         tests) part tests ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -s \
-                   tests/pipeline/test_mps_gpu.py tests/pipeline/test_engines_gpu.py tests/pipeline/test_packing_gpu.py ${TESTS_K:+-k "$TESTS_K"} ;;
+                   tests/pipeline/test_mps_gpu.py tests/pipeline/test_engines_gpu.py tests/pipeline/test_packing_gpu.py \
+                   tests/pipeline/test_engines.py ${TESTS_K:+-k "$TESTS_K"} ;;
         engine) part engine ${ENGINE_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
                     --long-tail 0.004 0.0075 --skip-generate --repeats 2 $DECODE --json "$OUT/long_tail.json" ;;
         partial) part partial ${PARTIAL_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
