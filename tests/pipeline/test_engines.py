@@ -135,24 +135,33 @@ def test_sampling_matches_the_distribution_and_filters():
     assert tokens.tolist() == [0] * 100 and torch.allclose(logprobs, torch.full((100,), math.log(0.5)))
 
 
+def _logits_on_four_tokens(width: int, device: str = "cpu", dtype=torch.float32):
+    """One row of logits whose mass lies on four tokens in different stretches of the
+    vocabulary (0.4, 0.3, 0.2, 0.1), every other at -1e4 (mass 0) -> (row, their places,
+    their probabilities)."""
+    spots = torch.tensor([0, width // 3, width // 2 + 1, width - 1], device=device)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1], device=device)
+    row = torch.full((width,), -1e4, device=device, dtype=dtype)
+    row[spots] = probs.log().to(dtype)
+    return row, spots, probs
+
+
 @pytest.mark.parametrize("width", [5, 29, 224, 203])   # fewer tokens than stretches; 32 of 7; 29 of 7, 3 of padding
 def test_the_sampler_follows_the_distribution_across_stretches(width):
     """One uniform number a row picks a stretch of the vocabulary by their masses, then a
     token within it: the frequencies are the probabilities wherever the mass lies, filtered
     tokens never come out, and the logprob is log_softmax's."""
     torch.manual_seed(0)
-    probs = torch.zeros(width)
-    spots = torch.tensor([0, width // 3, width // 2 + 1, width - 1])   # in different stretches
-    probs[spots] = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    logits = torch.where(probs > 0, probs.log(), torch.tensor(-1e4)).expand(40000, -1)   # the rest: mass ~0
+    row, spots, probs = _logits_on_four_tokens(width)
+    logits = row.expand(40000, -1)
     tokens, logprobs = sample_tokens(logits, temperature=1.0)
     frequency = torch.bincount(tokens, minlength=width).float() / len(tokens)
-    torch.testing.assert_close(frequency[spots], probs[spots], atol=0.01, rtol=0)
+    torch.testing.assert_close(frequency[spots], probs, atol=0.01, rtol=0)
     assert frequency.sum() == 1 and set(tokens.unique().tolist()) <= set(spots.tolist())
     torch.testing.assert_close(logprobs, torch.log_softmax(logits[:1], -1)[0, tokens])
     # Temperature 2 flattens them: square roots, renormalised; top_k=2 keeps the two likeliest.
     tokens, _ = sample_tokens(logits, temperature=2.0, top_k=2)
-    kept = probs[spots[:2]].sqrt() / probs[spots[:2]].sqrt().sum()
+    kept = probs[:2].sqrt() / probs[:2].sqrt().sum()
     frequency = torch.bincount(tokens, minlength=width).float() / len(tokens)
     torch.testing.assert_close(frequency[spots[:2]], kept, atol=0.01, rtol=0)
     assert frequency[spots[:2]].sum() == 1
@@ -185,10 +194,8 @@ def test_the_compiled_sampler_follows_the_distribution(device):
     out in their proportions, with and without top-k, and nothing else comes out."""
     width, rows, draws = 151936, 1024, 64   # 65 536 samples: 0.01 is over 5 standard deviations
     torch.manual_seed(0)
-    spots = torch.tensor([0, 40000, 90001, width - 1], device=device)
-    probs = torch.tensor([0.4, 0.3, 0.2, 0.1], device=device)
-    logits = torch.full((rows, width), -1e4, device=device, dtype=torch.bfloat16)
-    logits[:, spots] = probs.log().to(torch.bfloat16)
+    row, spots, probs = _logits_on_four_tokens(width, device, torch.bfloat16)
+    logits = row.expand(rows, -1).contiguous()
     sample = torch.compile(sample_tokens)
     for top_k, expected in ((0, probs), (2, probs[:2] / probs[:2].sum())):
         tokens = torch.cat([sample(logits, 1.0, top_k)[0] for _ in range(draws)])
