@@ -280,7 +280,7 @@ def worker_start_times(client, since: float) -> dict[str, float]:
 def set_logit_chunk(tokens: int) -> None:
     from pipeline.roles import forward
 
-    forward.LOGIT_CHUNK_TOKENS = tokens
+    forward.LOGIT_CHUNK_TOKENS = forward.COMPILED_LOGIT_CHUNK_TOKENS = tokens
 
 
 def torch_gpu_memory() -> dict | None:

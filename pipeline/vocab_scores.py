@@ -1,7 +1,7 @@
 """Response tokens' log-probabilities and entropies from final hidden states, through the
 output projection onto the vocabulary, as one autograd function.
 
-Each chunk of tokens' logits (tokens x vocabulary: 512 x 152k for Qwen2) is the largest
+Each chunk of tokens' logits (tokens x vocabulary: 2048 x 152k for Qwen2 in a compiled update) is the largest
 tensor of an update. Differentiated op by op, a chunk's float32 copy, its log-softmax and
 its probabilities are kept or recomputed for their backward, each one more pass over the
 block. Here the forward keeps only three numbers a token (the log-sum-exp, the entropy and

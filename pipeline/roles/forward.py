@@ -27,6 +27,13 @@ logger = logging.getLogger("dask_rl")
 # the 0.5B model, 512 instead of 1024 took the actor's peak from 10.3 to 8.5 GiB at the same
 # step time (benchmarks/gpu_memory_variants.sh).
 LOGIT_CHUNK_TOKENS = 512
+# The same for a compiled model (train.compile_model), whose fused projection keeps fewer
+# float32 copies of a chunk: on one H100, GRPO at batch 256 (256 new tokens, the 0.5B shape)
+# stepped in 1.70-1.77 s at 2048 tokens against 2.20 s at 512, for 0.8 GiB more peak memory
+# (1.66 s and 1.5 GiB more at 4096; benchmarks/grpo_vs_trl.py --logit-chunk). A micro-batch
+# smaller than a chunk projects only its own tokens, so halving micro-batches after an
+# out-of-memory error still shrinks the chunk.
+COMPILED_LOGIT_CHUNK_TOKENS = 2048
 
 # Models that cannot share prompts (an attention the tiles do not cover): they pack whole
 # rows, and the reason is logged once.
@@ -72,7 +79,7 @@ def warm_up_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     left-padded prompts, responses of different lengths cut by padding, more response tokens
     than one projection chunk and not a multiple of it. Run through a compiled model it
     compiles what the update's first micro-batch would (dynamic shapes: real lengths reuse it)."""
-    prompt, responses = 37, (LOGIT_CHUNK_TOKENS + 91, 203)
+    prompt, responses = 37, (COMPILED_LOGIT_CHUNK_TOKENS + 91, 203)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (len(responses), prompt + max(responses)), generator=generator)
     mask = torch.ones_like(ids)
@@ -228,11 +235,12 @@ def _chunked_scores(head, hidden: torch.Tensor, targets: torch.Tensor, temperatu
     """(..., H) final hidden states, (...) tokens -> float32 logprobs and entropy (None when
     entropy_grad is None) shaped as `targets`, LOGIT_CHUNK_TOKENS tokens' logits at a time
     (vocab_scores.projected_scores; for a `compiled` model its passes over the logits run
-    through torch.compile)."""
+    through torch.compile, COMPILED_LOGIT_CHUNK_TOKENS at a time)."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    parts = [projected_scores(head, flat_hidden[start:start + LOGIT_CHUNK_TOKENS],
-                              flat_targets[start:start + LOGIT_CHUNK_TOKENS], temperature, entropy_grad, compiled)
-             for start in range(0, flat_targets.shape[0], LOGIT_CHUNK_TOKENS)]
+    chunk = COMPILED_LOGIT_CHUNK_TOKENS if compiled else LOGIT_CHUNK_TOKENS
+    parts = [projected_scores(head, flat_hidden[start:start + chunk], flat_targets[start:start + chunk],
+                              temperature, entropy_grad, compiled)
+             for start in range(0, flat_targets.shape[0], chunk)]
     logprobs = torch.cat([p[0] for p in parts]).view(targets.shape)
     if entropy_grad is None:
         return logprobs, None
