@@ -1,12 +1,12 @@
 """Response tokens' log-probabilities and entropies from final hidden states, through the
 output projection onto the vocabulary, as one autograd function.
 
-Each chunk of tokens' logits (tokens x vocabulary: 2048 x 152k for Qwen2 in a compiled update) is the largest
-tensor of an update. Differentiated op by op, a chunk's float32 copy, its log-softmax and
-its probabilities are kept or recomputed for their backward, each one more pass over the
-block. Here the forward keeps only three numbers a token (the log-sum-exp, the entropy and
-the token's log-probability); the backward runs the head again for the chunk's logits and
-turns them into their gradient in one pass:
+Each chunk of tokens' logits (tokens x vocabulary: 2048 x 152k for Qwen2 in a compiled
+update) is the largest tensor of an update. Differentiated op by op, a chunk's float32 copy,
+its log-softmax and its probabilities are kept or recomputed for their backward, each one
+more pass over the block. Here the forward keeps only three numbers a token (the
+log-sum-exp, the entropy and the token's log-probability); the backward runs the head again
+for the chunk's logits and turns them into their gradient in one pass:
 
     z = logits / T,  log p = z - lse,  H = lse - sum_v p_v z_v
     d log p_t / dz = onehot(t) - p
