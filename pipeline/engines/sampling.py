@@ -73,7 +73,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     # The second look reads the chosen stretch alone.
     chosen = stretches.gather(1, stretch[:, None, None].expand(-1, 1, stretches.shape[-1])).squeeze(1)   # (B, L)
     within = torch.exp(chosen - allowed_logsumexp[:, None])           # its tokens' probabilities
-    before = running.gather(1, stretch[:, None]).squeeze(1) - masses.gather(1, stretch[:, None]).squeeze(1)
+    before = (running - masses).gather(1, stretch[:, None]).squeeze(1)   # the mass of the stretches before it
     place = _first_above(cumsum_in_blocks(within), target - before, within)
     tokens = stretch * stretches.shape[-1] + place
     logsumexp = allowed_logsumexp if allowed is scaled else torch.logsumexp(
