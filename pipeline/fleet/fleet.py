@@ -31,7 +31,9 @@ from pipeline.fleet.groups import ProcessGroups
 from pipeline.fleet.reconcile import TRAINABLE_EXPORTS, ResourceChange, ResourceRequest, requested_config
 from pipeline.fleet.routes import WeightRoutes
 from pipeline.fleet.scaling import start_adaptive
-from pipeline.fleet.tasks import RoleTimeout, SchedulerLost, WorkerLost, scheduler_lost, submit, task_key, wait_role
+from pipeline.fleet.tasks import (
+    RoleTimeout, SchedulerLost, WorkerLost, scheduler_lost, scheduler_lost_after, submit, task_key, wait_role,
+)
 from pipeline.roles import rollout
 from pipeline.roles.host import WORKER_IMPORTS, RoleHost, plugin_name, role_ready
 from pipeline.roles.saved_state import Recovery, recovery_path
@@ -293,20 +295,44 @@ class Fleet:
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """Marks the calling thread as the training loop: trainable-role changes asked for
-        from other threads wait for its next step boundary. Whatever a lost scheduler makes
-        fail inside (a wait, a fetch, a publish) ends as one SchedulerLost naming it."""
+        from other threads wait for its next step boundary, and leaving settles the ones
+        that raced the last step. Whatever a lost scheduler makes fail, inside (a wait, a
+        fetch, a publish) or in that last settling, ends as one SchedulerLost naming it."""
         self._train_thread = threading.current_thread()
         try:
             yield
         except Exception as error:
-            lost = self.scheduler_lost(f"training ({type(error).__name__} in the step)")
+            self._train_thread = None
+            lost = scheduler_lost_after(self.client, error, f"training ({type(error).__name__} in the step)")
+            if lost is None:
+                self._settle_leaving(error)
             if lost is None or isinstance(error, SchedulerLost):
                 raise
             raise lost from error
+        else:
+            self._train_thread = None
+            doing = "answering resource changes after the last step"
+            lost = self.scheduler_lost(doing)
+            if lost is not None:   # settling would wait timeout_seconds for the client to reconnect
+                raise lost
+            try:
+                self.at_boundary()
+            except Exception as error:
+                lost = scheduler_lost_after(self.client, error, doing)
+                if lost is None:
+                    raise
+                raise lost from error
         finally:
             self._train_thread = None
-            if self.scheduler_lost() is None:
-                self.at_boundary()  # a request that raced the last step is not left waiting
+
+    def _settle_leaving(self, error: Exception) -> None:
+        """at_boundary as a failed train() leaves: its own failure is logged, not raised, so
+        the step's error is the one the caller sees."""
+        try:
+            self.at_boundary()
+        except Exception as late:
+            logger.warning("dask-rl: leaving train() after %s, the queued resource changes could not be "
+                           "settled: %s: %s", type(error).__name__, type(late).__name__, late)
 
     def update_resource(self, request: ResourceRequest) -> list[ResourceChange]:
         """Validate `request` against the current placement (a bad one raises, nothing

@@ -50,6 +50,20 @@ def scheduler_lost(client: Client, doing: str) -> SchedulerLost | None:
         f"worker`), and resume the run from its newest checkpoint (resume=True, or `dask-rl run FILE --resume`).")
 
 
+def scheduler_lost_after(client: Client, error: BaseException, doing: str, settle: float = 5.0
+                         ) -> SchedulerLost | None:
+    """scheduler_lost, for an error that may be the first sign of the loss: a closed
+    connection (CommClosedError is an OSError) or a cancelled future can reach the caller a
+    moment before the client sees its scheduler's stream close and leaves "running", so then
+    it gets up to `settle` seconds to see it."""
+    lost = scheduler_lost(client, doing)
+    deadline = time.monotonic() + settle
+    while lost is None and isinstance(error, (OSError, CancelledError)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        lost = scheduler_lost(client, doing)
+    return lost
+
+
 def wait_role(client: Client, futures: Iterable[Future], role: str, what: str, timeout: float,
               pinned: dict[str, tuple[str, ...]] | None = None) -> list:
     """Results of `futures`, or RoleTimeout naming the role, the workers and what was awaited.

@@ -287,3 +287,31 @@ def test_a_scheduler_killed_mid_step_ends_training_with_one_error_naming_it_and_
         trainer.close()  # returns: nothing to save through, nothing to raise
     assert "the models of policy version 1 were not saved" in caplog.text
     assert not (tmp_path / "out" / "actor").exists()
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises a closed connection"])
+def test_leaving_training_just_after_the_scheduler_died_raises_scheduler_lost(processes, tmp_path, ending):
+    """The scheduler dies as the training loop ends: whether the loop returned (leaving still
+    answers queued resource changes, through the scheduler) or failed on a closed connection
+    before the client noticed the loss, the caller gets SchedulerLost naming the scheduler,
+    not the connection error, and not silence."""
+    from distributed.comm.core import CommClosedError
+
+    from pipeline.fleet import Fleet
+    from pipeline.fleet.tasks import SchedulerLost
+
+    proc, log = processes.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0")
+    (address,) = processes.wait_for(proc, log, r"scheduler at (tcp://\S+)", timeout=60)
+    fleet = Fleet(load_resource_config(LAYOUT), (), snapshot_dir=str(tmp_path), scheduler_address=address)
+    try:
+        with pytest.raises(SchedulerLost) as lost:
+            with fleet.training():
+                os.kill(proc.pid, signal.SIGKILL)
+                if ending != "returns":   # at once, as a fetch that met the closed stream does
+                    raise CommClosedError("in <TCP ConnectionPool.gather>: Stream is closed")
+                assert proc.wait(10) == -signal.SIGKILL   # the client may have seen it go by now
+        assert f"the Dask scheduler at {address} is gone" in str(lost.value)
+        if ending != "returns":
+            assert isinstance(lost.value.__cause__, CommClosedError)
+    finally:
+        fleet.close()
