@@ -8,6 +8,7 @@ from concurrent.futures import CancelledError
 from typing import Iterable
 
 from distributed import Client, Future, wait
+from distributed.comm import CommClosedError
 
 from pipeline import events
 
@@ -53,12 +54,13 @@ def scheduler_lost(client: Client, doing: str) -> SchedulerLost | None:
 def scheduler_lost_after(client: Client, error: BaseException, doing: str, settle: float = 5.0
                          ) -> SchedulerLost | None:
     """scheduler_lost, for an error that may be the first sign of the loss: a closed
-    connection (CommClosedError is an OSError) or a cancelled future can reach the caller a
-    moment before the client sees its scheduler's stream close and leaves "running", so then
-    it gets up to `settle` seconds to see it."""
+    connection or a cancelled future can reach the caller a moment before the client sees its
+    scheduler's stream close and leaves "running", so then it gets up to `settle` seconds to
+    see it (other errors, a timeout or a file not found, are not kept waiting)."""
     lost = scheduler_lost(client, doing)
     deadline = time.monotonic() + settle
-    while lost is None and isinstance(error, (OSError, CancelledError)) and time.monotonic() < deadline:
+    connection = isinstance(error, (CommClosedError, ConnectionError, CancelledError))
+    while lost is None and connection and time.monotonic() < deadline:
         time.sleep(0.1)
         lost = scheduler_lost(client, doing)
     return lost
