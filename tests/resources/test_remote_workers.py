@@ -295,7 +295,7 @@ def test_leaving_training_just_after_the_scheduler_died_raises_scheduler_lost(pr
     answers queued resource changes, through the scheduler) or failed on a closed connection
     before the client noticed the loss, the caller gets SchedulerLost naming the scheduler,
     not the connection error, and not silence."""
-    from distributed.comm.core import CommClosedError
+    from distributed.comm import CommClosedError
 
     from pipeline.fleet import Fleet
     from pipeline.fleet.tasks import SchedulerLost
