@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-# Float32 copies of one row of logits alive during sampling (the scaled logits, their masses
-# relative to the row's peak, a padded copy where the vocabulary is not a whole number of
-# stretches, and one for the filters / the model's own output; engines/sampling.py).
+# Float32 copies of one row of logits alive during sampling (the scaled logits, the
+# log-sum-exp's temporary of them less their maximum, a padded copy where the vocabulary is
+# not a whole number of stretches, and one for the filters / the model's own output;
+# engines/sampling.py).
 SAMPLING_COPIES = 4
 # Share of the free memory a generation batch may plan to use: the rest absorbs the
 # allocator's rounding and what the estimate leaves out.

@@ -305,27 +305,15 @@ class Fleet:
             self._train_thread = None
             lost = scheduler_lost_after(self.client, error, f"training ({type(error).__name__} in the step)")
             if lost is None:
-                self._settle_leaving(error)
+                self._settle_after_failure(error)
             if lost is None or isinstance(error, SchedulerLost):
                 raise
             raise lost from error
-        else:
-            self._train_thread = None
-            doing = "answering resource changes after the last step"
-            lost = self.scheduler_lost(doing)
-            if lost is not None:   # settling would wait timeout_seconds for the client to reconnect
-                raise lost
-            try:
-                self.at_boundary()
-            except Exception as error:
-                lost = scheduler_lost_after(self.client, error, doing)
-                if lost is None:
-                    raise
-                raise lost from error
         finally:
             self._train_thread = None
+        self._settle_after_last_step()   # reached only when the loop returned
 
-    def _settle_leaving(self, error: Exception) -> None:
+    def _settle_after_failure(self, error: Exception) -> None:
         """at_boundary as a failed train() leaves: its own failure is logged, not raised, so
         the step's error is the one the caller sees."""
         try:
@@ -333,6 +321,21 @@ class Fleet:
         except Exception as late:
             logger.warning("dask-rl: leaving train() after %s, the queued resource changes could not be "
                            "settled: %s: %s", type(error).__name__, type(late).__name__, late)
+
+    def _settle_after_last_step(self) -> None:
+        """at_boundary as train() returns; a scheduler lost by then, or found lost on the way,
+        is SchedulerLost."""
+        doing = "answering resource changes after the last step"
+        lost = self.scheduler_lost(doing)
+        if lost is not None:   # settling would wait timeout_seconds for the client to reconnect
+            raise lost
+        try:
+            self.at_boundary()
+        except Exception as error:
+            lost = scheduler_lost_after(self.client, error, doing)
+            if lost is None:
+                raise
+            raise lost from error
 
     def update_resource(self, request: ResourceRequest) -> list[ResourceChange]:
         """Validate `request` against the current placement (a bad one raises, nothing
