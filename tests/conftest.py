@@ -162,3 +162,11 @@ def python_peak(limit_bytes: int):
     finally:
         tracemalloc.stop()
     assert peak < limit_bytes, f"peaked at {peak / 2**20:.1f} MiB of Python memory (limit {limit_bytes / 2**20:.0f} MiB)"
+
+
+def cache_keyword(model) -> str:
+    """The name of the cache argument of `model.forward`: transformers renamed
+    `past_key_values` to `cache` (5.2x) and drops the old name in 5.40."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -6,12 +6,11 @@ copy."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 
 from pipeline.engines import slots
+from tests.conftest import cache_keyword
 
 
 def _model(attention: str):
@@ -33,9 +32,7 @@ def _decode(model, steps: int = 6) -> torch.Tensor:
     attention = torch.zeros(3, length, dtype=torch.long)
     attention[:, :prompt] = 1
     attention[1, :4] = 0   # row 1 is a shorter prompt, left-padded
-    # transformers renamed forward's `past_key_values` to `cache` (5.2x)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = {name: StaticCache(config=model.config, max_cache_len=length)}
+    cache = {cache_keyword(model): StaticCache(config=model.config, max_cache_len=length)}
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention, **cache, use_cache=True,
                        position_ids=(attention[:, :prompt].cumsum(-1) - 1).clamp(min=0),

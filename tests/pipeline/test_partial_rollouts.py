@@ -22,7 +22,7 @@ from pipeline.records import CarriedRow, GenerationRequest, Rollout
 from pipeline.rewards import digit_fraction
 from pipeline.roles.forward import response_logprobs
 from pipeline.trainer import HybridTrainer
-from tests.conftest import published_snapshots
+from tests.conftest import cache_keyword, published_snapshots
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,8 @@ def _mixed_weights_logprobs(old, new, prompt: list[int], response: list[int], pr
     come from `old` and every later token goes through `new` (transformers' own cache)."""
     with torch.no_grad():
         past = old(input_ids=torch.tensor([prompt + response[:prior - 1]]), use_cache=True).past_key_values
-        logits = new(input_ids=torch.tensor([response[prior - 1:-1]]), past_key_values=past, use_cache=True).logits
+        logits = new(input_ids=torch.tensor([response[prior - 1:-1]]), **{cache_keyword(new): past},
+                     use_cache=True).logits
     return logits[0].float().log_softmax(-1).gather(-1, torch.tensor(response[prior:])[:, None])[:, 0]
 
 
