@@ -83,16 +83,7 @@ class Trainable(MicroBatchedSteps):
     def _build(self) -> nn.Module:
         model = self.build_model().to(self.device)
         if self.gradient_checkpointing:
-            # Keep only each transformer block's input for the backward pass and recompute
-            # the rest: activation memory of a micro-batch drops from O(layers x hidden x
-            # intermediate) to O(layers x hidden) per token, for about a third more compute.
-            blocks = _blocks(model)
-            # transformers renamed it (5.2x); the older name warns there and is gone in 6.
-            enable = getattr(blocks, "activation_checkpointing_enable", None)
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                blocks.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if self.compile_model:
             compile_for_training(model)
         return model
@@ -243,6 +234,19 @@ class Trainable(MicroBatchedSteps):
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Keep only each transformer block's input for the backward pass and recompute the
+    rest: activation memory of a micro-batch drops from O(layers x hidden x intermediate) to
+    O(layers x hidden) per token, for about a third more compute."""
+    blocks = _blocks(model)
+    # transformers renamed it (5.2x); the older name warns there and is gone in 6.
+    enable = getattr(blocks, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        blocks.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _blocks(model: nn.Module) -> nn.Module:

@@ -12,7 +12,7 @@ from pipeline.algorithms import logprobs_from_logits
 from pipeline.models import load_causal_lm
 from pipeline.roles import forward
 from pipeline.roles.forward import response_logprobs
-from pipeline.roles.training import Trainable
+from pipeline.roles.training import Trainable, enable_checkpointing
 
 
 def _batch(vocab: int, rows: int = 3, prompt: int = 5, response: int = 7):
@@ -103,7 +103,7 @@ def test_a_compiled_model_trains_as_the_eager_one(tiny_model, monkeypatch):
     results = []
     for compiled in (False, True):
         model = load_causal_lm(tiny_model).train()
-        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         if compiled:
             forward.compile_for_training(model)
         grads, scores = [], []
