@@ -151,7 +151,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         "actor": {**gpu, "strategy": "none"}, "rollout": rollout,
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True, "gpu_sharing": args.gpu_sharing,
         "comm_backend": "nccl", "timeout_seconds": 600})
-    seconds, tokens, phases, staleness, step_ends = [], [], [], [], []
+    seconds, tokens, rows, phases, staleness, step_ends = [], [], [], [], [], []
     with GpuMemory() as memory:
         start, start_wall = time.perf_counter(), time.time()
         trainer = HybridTrainer(model_dir, even_words, config, algorithm="grpo", prompts=prompts,
@@ -176,9 +176,10 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
             seconds.append(record.seconds)
             step_ends.append(time.time())
             tokens.append(record.tokens)
+            rows.append(round(record.tokens / record.response_length) if record.response_length else 0)
             phases.append(record.phases)
             staleness.append(record.staleness)   # partial rollouts trade it for shorter rollouts
-            print(f"dask-rl step {record.step}: {record.seconds:.2f} s, {record.tokens} tokens, "
+            print(f"dask-rl step {record.step}: {record.seconds:.2f} s, {record.tokens} tokens in {rows[-1]} rows, "
                   + ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items()) + collected, flush=True)
 
         client = trainer.fleet.client
@@ -236,8 +237,9 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     result = steady(seconds, tokens, args.warmup)
     result["update_seconds"] = statistics.median(p.get("update", 0.0) for p in phases[args.warmup:])
     result["rollout_seconds"] = statistics.median(p.get("wait_rollout", 0.0) for p in phases[args.warmup:])
-    result["mean_response_tokens"] = sum(tokens[args.warmup:]) / (len(tokens[args.warmup:])
-                                                                 * args.prompts_per_step * SAMPLES)
+    # Partial rollouts train prompts_per_step groups a step on average, not in every step.
+    result["mean_response_tokens"] = sum(tokens[args.warmup:]) / max(1, sum(rows[args.warmup:]))
+    result["rows_per_step"] = statistics.mean(rows[args.warmup:] or rows)
     result["slot_use"] = statistics.mean(slot_use[args.warmup:]) if slot_use[args.warmup:] else None
     result["staleness"] = statistics.mean(staleness[args.warmup:] or staleness)   # versions, mean over rows
     # The rollout's own GPU time: on one shared GPU the update runs while the next batch
@@ -440,7 +442,8 @@ def main(argv=None) -> int:
     print(f"\nGRPO, {args.prompts_per_step} prompts x {SAMPLES} samples x up to {args.new_tokens} new tokens "
           f"(batch {batch}){tail}, prompt {PROMPT_TOKENS} tokens, KL 0, micro-batch {args.micro_batches[0]}:")
     for name, r in results.items():
-        extra = (f"  waiting for the rollout {r['rollout_seconds']:.2f} s  update {r['update_seconds']:.2f} s  slot use "
+        extra = (f"  rows a step {r['rows_per_step']:.0f}  waiting for the rollout {r['rollout_seconds']:.2f} s  "
+                 f"update {r['update_seconds']:.2f} s  slot use "
                  f"{r['slot_use'] or 0:.2f}  rollout engine {r['engine_seconds'] or 0:.2f} s  staleness "
                  f"{r['staleness']:.2f}" if "update_seconds" in r else "")
         print(f"  {name:<8} steady step {r['step_seconds']:6.2f} s  {r['tokens_per_second']:>8,.0f} useful tokens/s "

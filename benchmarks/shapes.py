@@ -145,12 +145,14 @@ def share_prompts(ids, mask, prompt_width: int, samples: int):
 
 
 def partial_requests(engine, draw_prompts, groups: int, samples: int, new: int, max_staleness: int,
-                     request_groups: int, count: int, keep_kv: bool = False):
+                     request_groups: int, count: int, keep_kv: bool = False, ahead: int = 0, draw_count=None):
     """`count` consecutive requests as train.partial_rollouts makes them: each holds the rows
     the one before carried, then new groups (`draw_prompts(version, draws)`: a prompt for each
     draw number), and ends once `groups` groups are complete (`keep_kv`: as with
-    train.partial_keep_kv, rows still in a slot go on there). Yields (version, rollout, the
-    rows it carries, its seconds, the split into trained and carried rows included)."""
+    train.partial_keep_kv, rows still in a slot go on there; `ahead`: batches generated ahead
+    of the update, partial.batches_ahead; `draw_count(groups, carried, request_groups)`: how
+    many groups a request draws, partial.new_groups unless given). Yields (version, rollout,
+    the rows it carries, its seconds, the split into trained and carried rows included)."""
     import time
 
     import torch
@@ -161,11 +163,12 @@ def partial_requests(engine, draw_prompts, groups: int, samples: int, new: int, 
     cuda = torch.device(engine.device).type == "cuda"
     carried, drawn = (), 0
     for version in range(count):
-        draws = range(drawn, drawn + new_groups(groups, carried, request_groups))
+        draws = range(drawn, drawn + (draw_count or new_groups)(groups, carried, request_groups))
         drawn = draws.stop
         request = GenerationRequest(draw_prompts(version, draws), list(draws), samples, new, 1.0, version,
                                     carried=carried, complete_groups=groups,
-                                    finish_born_before=finish_born_before(version, max_staleness), keep_kv=keep_kv)
+                                    finish_born_before=finish_born_before(version, max_staleness, ahead),
+                                    keep_kv=keep_kv)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()

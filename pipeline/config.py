@@ -175,7 +175,9 @@ class TrainConfig:
     # weights. At most one batch generates ahead (partial.batches_ahead); max_staleness bounds
     # the age of a row's oldest token when it is trained on.
     partial_rollouts: bool = False
-    partial_request_groups: int = 2       # a request holds this many times prompts_per_step groups
+    # The first request draws this many times prompts_per_step groups: the pool carried rows
+    # come from (later requests draw prompts_per_step; see pipeline/partial.py new_groups).
+    partial_request_groups: int = 2
     # True: a carried row still in its decode slot decodes on from the keys and values there,
     # computed by the weights that generated it (its new tokens' behaviour logprobs are of
     # exactly that sampling), instead of having its prompt and tokens prefilled again with
@@ -290,7 +292,7 @@ class TrainConfig:
                                 "it applies to partial rollouts only: set partial_rollouts: true with it, or leave "
                                 "it out"),
             "partial_request_groups": (1 <= self.partial_request_groups <= 16,
-                                       "use 1 to 16 times prompts_per_step groups a request, e.g. 2"),
+                                       "use 1 to 16 times prompts_per_step groups in the first request, e.g. 2"),
         }
 
     @property

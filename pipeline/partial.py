@@ -57,11 +57,17 @@ def outside(carried: tuple[CarriedRow, ...], groups) -> tuple[CarriedRow, ...]:
 
 
 def new_groups(prompts_per_step: int, carried: tuple[CarriedRow, ...], request_groups: int = 2) -> int:
-    """Groups a batch draws: a request holds `request_groups` x prompts_per_step groups (the
-    carried ones and new ones, train.partial_request_groups), so that its slots stay full
-    while prompts_per_step groups complete. A step trains on prompts_per_step groups and
-    carries the rest, so the draws match what is trained."""
-    return max(prompts_per_step, request_groups * prompts_per_step - len({row.group_id for row in carried}))
+    """Groups a batch draws. The first request of a run (nothing carried) draws
+    `request_groups` x prompts_per_step groups (train.partial_request_groups), so that its
+    slots stay full while prompts_per_step groups complete; later ones draw prompts_per_step,
+    the groups a step trains. Every group drawn is trained once, so steps train
+    prompts_per_step groups on average: a step that must take more (rows that would grow too
+    old) shrinks the carried pool, and the steps after it go back to prompts_per_step. Topping
+    the pool up to its first size instead made each step train what the staleness bound
+    drains from it: 1.2-3x prompts_per_step groups (benchmarks/partial_step_size.py)."""
+    if carried:
+        return prompts_per_step
+    return request_groups * prompts_per_step
 
 
 def batches_ahead(max_staleness: int, take_turns: bool) -> int:

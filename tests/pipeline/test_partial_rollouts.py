@@ -265,8 +265,10 @@ def test_a_step_trains_on_whole_groups_and_carries_the_rest_by_hand():
         ([11, 1], 7, True), ([12, 13, 1], 7, True)]
     # ...unless its rows (born at v4) may not be carried again (floor 5): it is trained on now.
     assert trained_part(rollout, 0, 5).group_ids.tolist() == [7, 7]
-    # A request of 2 (3) x 4 groups with the 2 carried groups draws 6 (10) new ones.
-    assert new_groups(4, carried) == 6 and new_groups(4, carried, request_groups=3) == 10
+    # The first request draws 2 (3) x 4 groups; one that continues carried groups draws the 4 a
+    # step trains, however many are carried: each step trains 4 groups on average.
+    assert new_groups(4, ()) == 8 and new_groups(4, (), request_groups=3) == 12
+    assert new_groups(4, carried) == 4 and new_groups(4, carried, request_groups=3) == 4
     # Two shards: groups whole, alternating, oldest first.
     assert [[r.group_id for r in shard] for shard in shard_carried(carried, 2)] == [[8, 8], [9, 9]]
     # Trained by the update from v5 at the earliest if carried once more: with max_staleness 1
@@ -479,3 +481,19 @@ def test_the_partial_cpu_example_carries_rows_and_trains_them_a_version_older(
     assert any(continued.values()), continued
     assert [r.staleness for r in records] == [0.0, 1.0, 2.0, 2.0]
     assert all(r.carried_rows > 0 for r in records)
+
+
+def test_a_request_of_many_groups_trains_prompts_per_step_groups_a_step_on_average(
+        shared_cluster, shared_config, tiny_model, prompts, tmp_path):
+    with HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts, cluster=shared_cluster,
+                       output_dir=str(tmp_path), steps=6, **{**PARTIAL, "partial_request_groups": 4}) as trainer:
+        records = trainer.train()
+    groups = [round(r.tokens / r.response_length) // 4 for r in records]   # groups of 4 samples
+    # The first request draws 4 x 4 groups, each later one the 4 a step trains: every group
+    # drawn is trained once or still carried at the end.
+    assert sum(groups) + records[-1].carried_rows // 4 == 4 * 4 + 5 * 4
+    # With max_staleness 1 every started row of the first request must end in the second,
+    # which trains them all at once; from then on each step trains prompts_per_step groups.
+    # (Topping each request up to 4 x 4 groups made the steps train 12 and 4 groups in turn.)
+    assert groups[0] == 4 and groups[1] > 4 and groups[2:] == [4] * 4
+    assert all(r.staleness_max <= 1 for r in records)
