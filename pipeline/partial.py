@@ -1,7 +1,7 @@
 """Partial rollouts (train.partial_rollouts): a step trains on the groups a rollout finished,
-and the unfinished ones continue in the next step's request. A request holds several times
-the groups a step needs (new_groups): it ends once a step's worth are complete, and the rest,
-started or still waiting, is carried.
+and the unfinished ones continue in the next step's request. A request holds more groups
+than a step needs, the carried ones and new ones (new_groups): it ends once a step's worth
+are complete, and the rest, started or still waiting, is carried.
 
 A GRPO group is trained whole, so a group with one unfinished sample waits whole: its
 finished samples are carried too (they are not generated again). Each carried row keeps the
