@@ -4,8 +4,8 @@ group over them, and what losing one costs.
 A rank cannot run elsewhere: when its worker dies, the update is redone on a full group
 once the Nanny's restarted worker (or a new one) is back, every rank rebuilt from the saved
 state (roles/saved_state.py). `RankKeeper` is the Fleet's part that decides this; it reads
-the Fleet's placement, cluster, groups and newest weights, and changes none of them except
-the groups' generation.
+the Fleet's placement, cluster, groups and newest weights. What it changes: the groups'
+generation, and ranks left stuck in a collective, which it restarts (free_survivors).
 """
 
 from __future__ import annotations
