@@ -128,6 +128,29 @@ def load_causal_lm(path: str | os.PathLike, *, device: str = "cpu", dtype: torch
     return model.to(device)
 
 
+def sharing_twin(model: nn.Module) -> nn.Module:
+    """A second module of `model`'s class, on its own copy of the config, whose parameters,
+    buffers and other tensors are `model`'s own objects: nothing is copied. A rollout engine
+    hosted in the actor's process changes its module's attention and mode; on a twin that
+    leaves the trained module as it is, and every optimizer step, which writes the tensors in
+    place, reaches the engine with no weight sync. Tied weights stay tied (one object)."""
+    import copy
+
+    with torch.device("meta"):   # built without memory; every tensor is replaced below
+        twin = type(model)(copy.deepcopy(model.config))
+    pairs = list(zip(twin.named_modules(), model.named_modules()))
+    if len(pairs) != len(list(model.modules())) or any(a != b for (a, _), (b, _) in pairs):
+        raise ValueError(f"{type(model).__name__}: a module built from its config differs from the loaded one, so "
+                         f"its tensors cannot be shared")
+    for (_, mine), (_, theirs) in pairs:
+        mine._parameters.update(theirs._parameters)
+        mine._buffers.update(theirs._buffers)
+        for name, value in vars(theirs).items():   # tensors kept as plain attributes (e.g. rotary's originals)
+            if isinstance(value, torch.Tensor):
+                setattr(mine, name, value)
+    return twin
+
+
 class ModelSourceError(FileNotFoundError):
     """A model argument that names neither a local model directory nor a hub model."""
 

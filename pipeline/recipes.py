@@ -26,7 +26,8 @@ def role_recipes(tc: TrainConfig, placement: ResourceConfig, roles: tuple[str, .
 
     recipes: dict[str, Callable] = {
         "rollout": functools.partial(rollout.RolloutRole, actor_dir, engine=placement.role("rollout").strategy,
-                                     dtype=tc.dtype, engine_args=placement.role("rollout").engine_kwargs),
+                                     dtype=tc.dtype, engine_args=placement.role("rollout").engine_kwargs,
+                                     hosted_by=placement.role("rollout").hosted_by),
         "actor": functools.partial(actor.ActorRole, actor_dir, lr=tc.actor_lr,
                                    strategy=placement.role("actor").strategy, grad_clip=tc.grad_clip,
                                    dtype=tc.dtype, gradient_checkpointing=tc.gradient_checkpointing,

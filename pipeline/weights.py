@@ -11,6 +11,9 @@ future. Four paths, bf16 bit-exact on each (bytes are moved, never converted):
   where CUDA_VISIBLE_DEVICES hides it, `receive` says so.
 - "dask": the slow fallback for readers on another host: the snapshot file's bytes, from a
   `fetch_snapshot` task on the actor's worker (Dask TCP, ~1 s per GB).
+- "in_process": nothing moves. The readers are the actor's own processes (a rollout hosted
+  by the actor), whose engine reads the actor's parameters in place; the handle only names
+  the version.
 - `BroadcastChannel`: a broadcast from actor rank 0 to rollout workers on any host over
   its own process group (gloo on CPU, NCCL on GPU), apart from torch.distributed's default
   group, which the actor ranks use for data parallelism. See pipeline/roles/sync.py.
@@ -36,7 +39,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load, load_file, save_file
 
-TRANSPORTS = ("shm", "cuda_ipc", "dask")
+TRANSPORTS = ("shm", "cuda_ipc", "dask", "in_process")
+ON_DEVICE = ("cuda_ipc", "in_process")   # transports that take the actor's tensors where they are
 TIED_KEY = "dask_rl.tied"           # safetensors metadata: {alias: name} as JSON
 TIED = "tied:"                      # layout entry of an alias: (name, shape, "tied:<name>")
 BUCKET_BYTES = 256 * 2**20
@@ -72,6 +76,9 @@ def publish(state: dict[str, torch.Tensor], version: int, directory: str | os.Pa
     gone, its memory reused."""
     if transport == "cuda_ipc":
         return _publish_cuda_ipc(state, version, keep)
+    if transport == "in_process":
+        return WeightHandle(version=version, path="", host=socket.gethostname(), nbytes=0, transport=transport,
+                            pid=os.getpid())
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown weight transport {transport!r}; expected one of {TRANSPORTS}")
     # The write goes to a temporary name first so no reader ever sees half a file.

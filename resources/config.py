@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CUDA_GRAPH_ARGS", "ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig",
+__all__ = ["CUDA_GRAPH_ARGS", "HOSTS", "ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig",
            "ResourceConfigError", "RoleSpec", "shorten"]
 
 ROLES = ("actor", "critic", "reference", "reward", "rollout")
@@ -40,6 +40,12 @@ COMM_BACKENDS = ("nccl", "gloo", "auto")
 # time) or NVIDIA MPS, whose daemon runs the kernels of several processes at once.
 GPU_SHARING = ("time_slice", "mps")
 ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args", "cuda_graph_args")
+# A rollout may run inside the actor's worker processes instead of its own (`rollout: {hosted_by:
+# actor}`): its engine reads the actor's parameters in place, so the GPU holds one copy of the
+# weights, one CUDA context and no published copy, and generation and updates take turns.
+HOSTED_ROLE_KEYS = ("hosted_by", "strategy", "cuda_graph_args")
+HOSTS = {"rollout": "actor"}   # role -> the role whose workers may host it
+HOSTED_STRATEGIES = ("cuda_graph", "hf")   # engines that can read a module's own tensors
 # `train` belongs to the pipeline package, which reads it from the same file.
 TOP_KEYS = ROLES + ("comm_backend", "timeout_seconds", "allow_shared_devices", "gpu_sharing",
                     "allow_busy_devices", "busy_memory_fraction", "adaptive", "train")
@@ -134,6 +140,13 @@ class RoleSpec:
     placed_with: str | None = None  # "actor" when defaulted from the actor, not in the file
     job_queue: JobQueueSpec | None = None  # workers are batch jobs (`workers` of them), not local devices
     cuda_graph_args: tuple[tuple[str, object], ...] = ()  # the cuda_graph engine's options (CUDA_GRAPH_ARGS)
+    hosted_by: str | None = None  # "actor": runs in the actor's workers, on its devices (HOSTS)
+
+    @property
+    def moves_with(self) -> str | None:
+        """The role whose devices this one follows (defaulted beside it, or hosted by it);
+        such a role is not scaled on its own."""
+        return self.placed_with or self.hosted_by
 
     @property
     def vllm_kwargs(self) -> dict[str, object]:
@@ -176,6 +189,10 @@ class ResourceConfig:
             raise KeyError(f"unknown role {shown}{did_you_mean(name, ROLES)}; roles: {ROLES}")
         return self.roles[name]
 
+    def hosted_roles(self, host: str) -> tuple[str, ...]:
+        """The roles that run inside `host`'s worker processes (their `hosted_by`)."""
+        return tuple(name for name, spec in self.roles.items() if spec.hosted_by == host)
+
     @property
     def uses_cuda(self) -> bool:
         return any(spec.device_type == "cuda" for spec in self.roles.values())
@@ -192,6 +209,8 @@ class ResourceConfig:
     def take_turns(self, first: str, second: str) -> bool:
         """Whether the two roles' GPU work runs one after the other: on a GPU they share,
         unless MPS runs both processes' kernels at once."""
+        if first in self.hosted_roles(second) or second in self.hosted_roles(first):
+            return True   # one process, one task at a time
         return self.share_gpus(first, second) and self.gpu_sharing != "mps"
 
     @property
@@ -217,6 +236,8 @@ class ResourceConfig:
 
 
 def role_dict(spec: RoleSpec) -> dict[str, Any]:
+    if spec.hosted_by is not None:
+        return {"hosted_by": spec.hosted_by, "strategy": spec.strategy, **engine_args_dict(spec)}
     if spec.job_queue is not None:
         return {**spec.job_queue.to_dict(), "jobs": spec.workers, "strategy": spec.strategy,
                 **engine_args_dict(spec)}

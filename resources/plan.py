@@ -2,7 +2,9 @@
 
 One worker per GPU: each spec pins its process to one physical GPU through the
 environment, or hides every GPU for a CPU role, and carries exactly one role resource, so
-that a task tagged with one role can only land on that role's workers. cluster.py turns the
+that a task tagged with one role can only land on that role's workers. The exception is a
+hosted role (`rollout: {hosted_by: actor}`): it has no workers of its own, and each of its
+host's workers carries its resource too. cluster.py turns the
 specs into Nanny processes; keeping this step pure lets tests check placement without a
 cluster or a GPU.
 """
@@ -27,6 +29,7 @@ class WorkerSpec:
     env: tuple[tuple[str, str], ...]  # from devices.pin_to_device; a tuple keeps it frozen
     nthreads: int = 1  # one task at a time: a model on a GPU is not shared between threads
     job_queue: JobQueueSpec | None = None  # a batch job (resources.job_queue), not a local process
+    hosts: tuple[str, ...] = ()  # roles this process runs too (their `hosted_by` is `role`)
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -34,12 +37,15 @@ class WorkerSpec:
 
     @property
     def resources(self) -> dict[str, float]:
-        """The Dask worker resources: one unit of its role, nothing else."""
-        return {self.role: 1}
+        """The Dask worker resources: one unit of its role (and of each role it hosts)."""
+        return {self.role: 1, **{hosted: 1 for hosted in self.hosts}}
 
 
-def plan_role(spec: RoleSpec, first_index: int = 0) -> list[WorkerSpec]:
-    """Workers for one role, numbered from `first_index` (scaling up adds after the last)."""
+def plan_role(spec: RoleSpec, first_index: int = 0, hosts: tuple[str, ...] = ()) -> list[WorkerSpec]:
+    """Workers for one role, numbered from `first_index` (scaling up adds after the last);
+    `hosts`: the roles its workers run too. A hosted role has none of its own."""
+    if spec.hosted_by is not None:
+        return []
     cuda = spec.device_type == "cuda" and spec.job_queue is None
     devices: list[int | None] = list(spec.device_ids) if cuda else [None] * spec.workers
     # A CPU worker hides every GPU; a GPU job's one GPU is the one SLURM gives it (--gres).
@@ -52,6 +58,7 @@ def plan_role(spec: RoleSpec, first_index: int = 0) -> list[WorkerSpec]:
             device_id=device_id,
             env=() if job_gpu else tuple(pin_to_device(device_id).items()),
             job_queue=spec.job_queue,
+            hosts=hosts,
         )
         for k, device_id in enumerate(devices)
     ]
@@ -64,7 +71,7 @@ def plan_workers(config: ResourceConfig) -> list[WorkerSpec]:
     per worker keeps the tagging simple, and the config only allows such sharing for roles
     placed with the actor or when the file opts in with allow_shared_devices.
     """
-    return [worker for role in ROLES for worker in plan_role(config.role(role))]
+    return [worker for role in ROLES for worker in plan_role(config.role(role), hosts=config.hosted_roles(role))]
 
 
 def device_roles(workers: Iterable[WorkerSpec]) -> dict[int, list[str]]:
@@ -79,7 +86,7 @@ def device_roles(workers: Iterable[WorkerSpec]) -> dict[int, list[str]]:
     return dict(sorted(roles.items()))
 
 
-def plan_change(current: Iterable[WorkerSpec], spec: RoleSpec, next_index: int
+def plan_change(current: Iterable[WorkerSpec], spec: RoleSpec, next_index: int, hosts: tuple[str, ...] = ()
                 ) -> tuple[list[WorkerSpec], list[WorkerSpec]]:
     """Workers to start and workers to retire so that a role matches `spec`.
 
@@ -87,6 +94,8 @@ def plan_change(current: Iterable[WorkerSpec], spec: RoleSpec, next_index: int
     CPU roles keep their oldest workers up to the new count. New names continue from
     `next_index`, so a name is never reused for a different worker.
     """
+    if spec.hosted_by is not None:   # its host's workers carry it: they change with the host
+        return [], []
     current = [w for w in current if w.role == spec.role]
     if spec.device_type == "cuda" and spec.job_queue is None:
         wanted = list(spec.device_ids)
@@ -94,10 +103,12 @@ def plan_change(current: Iterable[WorkerSpec], spec: RoleSpec, next_index: int
         kept_ids = {w.device_id for w in keep}
         new_ids = [i for i in wanted if i not in kept_ids]
         start = [replace(w, name=f"{spec.role}-{next_index + k}")
-                 for k, w in enumerate(plan_role(replace(spec, device_ids=tuple(new_ids), workers=len(new_ids))))]
+                 for k, w in enumerate(plan_role(replace(spec, device_ids=tuple(new_ids), workers=len(new_ids)),
+                                                 hosts=hosts))]
     else:  # CPU workers or jobs: a count
         keep = [w for w in current if w.device_type == spec.device_type and w.job_queue == spec.job_queue
                 ][:spec.workers]
-        start = plan_role(replace(spec, workers=spec.workers - len(keep)), next_index) if spec.workers > len(keep) else []
+        start = (plan_role(replace(spec, workers=spec.workers - len(keep)), next_index, hosts)
+                 if spec.workers > len(keep) else [])
     retire = [w for w in current if w not in keep]
     return start, retire

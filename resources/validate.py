@@ -19,7 +19,8 @@ from typing import Any
 
 from resources import devices, vllm_keys
 from resources.config import (
-    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES, ROLE_KEYS, ROLES,
+    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, DEVICE_TYPES, GPU_SHARING, HOSTED_ROLE_KEYS, HOSTED_STRATEGIES,
+    HOSTS, REQUIRED_ROLES, ROLE_KEYS, ROLES,
     STRATEGIES, DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError,
     RoleSpec, ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
@@ -238,7 +239,10 @@ class _Parser:
             if role not in data:
                 raise self.error(role, _MISSING, "missing: actor, reward and rollout are required",
                                  f"add e.g. {role}: {{device_type: cpu, workers: 1}}")
-        parsed = {role: self.role(role, data[role]) for role in ROLES if role in data}
+        hosted = {role for role in ROLES if isinstance(data.get(role), Mapping) and "hosted_by" in data[role]}
+        parsed = {role: self.role(role, data[role]) for role in ROLES if role in data and role not in hosted}
+        for role in sorted(hosted):   # after the roles that host them: they take their devices
+            parsed[role] = self.hosted(role, data[role], parsed)
         for role in ("critic", "reference"):
             parsed.setdefault(role, _placed_with_actor(parsed["actor"], role))
         return {role: parsed[role] for role in ROLES}
@@ -265,6 +269,41 @@ class _Parser:
         vllm_args = self.vllm_args(role, raw.get("vllm_args", _MISSING), strategy)
         cuda_graph_args = self.cuda_graph_args(role, raw.get("cuda_graph_args", _MISSING), strategy)
         return RoleSpec(role, device_type, ids, workers, strategy, vllm_args, cuda_graph_args=cuda_graph_args)
+
+    def hosted(self, role: str, raw: Mapping, parsed: Mapping[str, RoleSpec]) -> RoleSpec:
+        """A role run inside another role's workers (`rollout: {hosted_by: actor}`): on their
+        devices, its engine reading the host's parameters in place."""
+        host, path = raw["hosted_by"], f"{role}.hosted_by"
+        if host != HOSTS.get(role):
+            raise self.error(path, host, "only the rollout can be hosted, and only by the actor",
+                             "write rollout: {hosted_by: actor}, or give the role devices of its own")
+        for key in ("device_type", "device_ids", "workers", "job_queue", "jobs"):
+            if key in raw:
+                raise self.error(f"{role}.{key}", raw[key], f"a {role} hosted by the {host} runs on the {host}'s "
+                                 f"workers and devices", f"remove {key}, or remove hosted_by to give the {role} "
+                                 f"workers of its own")
+        self.check_keys(raw, HOSTED_ROLE_KEYS, prefix=f"{role}.")
+        spec = parsed[host]
+        if spec.job_queue is not None:
+            raise self.error(path, host, f"the {host} runs as batch jobs, which a hosted {role} cannot join",
+                             f"give the {host} local devices, or give the {role} workers of its own")
+        if spec.strategy == "fsdp":
+            raise self.error(path, host, f"the {host}'s strategy fsdp shards the weights a hosted {role} reads whole",
+                             f"set {host}.strategy: ddp (or none on one device), or give the {role} devices of "
+                             f"its own")
+        strategy = raw.get("strategy", "cuda_graph" if spec.device_type == "cuda" else "hf")
+        if strategy not in HOSTED_STRATEGIES:
+            raise self.error(f"{role}.strategy", strategy, f"a hosted {role} reads the {host}'s parameters "
+                             f"in place, which only {' and '.join(HOSTED_STRATEGIES)} can",
+                             f"use strategy: {' or '.join(HOSTED_STRATEGIES)}, or remove hosted_by to run "
+                             f"{strategy} on devices of its own")
+        cuda_graph_args = self.cuda_graph_args(role, raw.get("cuda_graph_args", _MISSING), strategy)
+        if dict(cuda_graph_args).get("fuse_projections") is True:
+            raise self.error(f"{role}.cuda_graph_args.fuse_projections", True, "fusing copies each layer's "
+                             f"projections into new tensors, which the {host}'s updates would never reach",
+                             "remove it: a hosted rollout leaves the projections as they are")
+        return RoleSpec(role, spec.device_type, spec.device_ids, spec.workers, strategy,
+                        cuda_graph_args=cuda_graph_args, hosted_by=host)
 
     def device_type(self, role: str, value: Any) -> str:
         if value in DEVICE_TYPES:
@@ -382,6 +421,10 @@ class _Parser:
         if role not in data:  # a defaulted role lives on the actor's devices: it can't move alone
             raise self.error(path, raw, f"{role} is not in the file (it is placed with the actor)",
                              f"add a {role} section with its own devices, or remove {path}")
+        if isinstance(data[role], Mapping) and "hosted_by" in data[role]:
+            raise self.error(path, raw, f"{role} runs in the {data[role]['hosted_by']}'s workers (hosted_by), "
+                             f"so it grows and shrinks with them", f"remove {path}, or give the {role} devices "
+                             f"of its own")
         if not isinstance(raw, Mapping) or set(raw) != {"min", "max"}:
             raise self.error(path, raw, "bounds need exactly min and max", example)
         low, high = raw["min"], raw["max"]
@@ -405,7 +448,7 @@ class _Parser:
             for i in spec.device_ids:
                 other = owner.setdefault(i, spec)
                 # Defaulted critic/reference sit on the actor's GPUs: that is the default.
-                if (other.placed_with or other.role) != (spec.placed_with or spec.role):
+                if (other.moves_with or other.role) != (spec.moves_with or spec.role):
                     raise self.error(f"{spec.role}.device_ids", spec.device_ids,
                                      f"GPU {i} is also used by {other.role}",
                                      "give each role its own GPUs, or set allow_shared_devices: "

@@ -69,6 +69,14 @@ class Fleet(RankKeeper):
         self.roles = roles
         self.snapshot_dir = snapshot_dir
         self._owns_cluster = cluster is None   # a cluster passed in is the caller's to close
+        hosted = config.role("rollout").hosted_by
+        if hosted and scheduler_address is not None:
+            raise ValueError(f"rollout.hosted_by: {hosted}: a run that joins a scheduler uses the workers other hosts "
+                             f"started, none of which hosts the rollout. Fix: give the rollout workers of its own "
+                             f"(`dask-rl worker --role rollout`), or run without scheduler_address")
+        if hosted and weight_sync != "auto":
+            raise ValueError(f"train.weight_sync: {weight_sync}: the rollout is hosted by the {hosted} and reads its "
+                             f"parameters in place, so no weights are sent. Fix: remove weight_sync (or set auto)")
         planned = [w for w in plan_workers(config) if w.role in roles]
         queued = [w for w in planned if w.job_queue is not None]   # batch jobs (resources.job_queue)
         if cluster is None and scheduler_address is not None:  # joined: this fleet submits the jobs
@@ -81,10 +89,16 @@ class Fleet(RankKeeper):
                                               preload=["pipeline.dashboard"],  # the RL page and its monitor
                                               worker_imports=WORKER_IMPORTS)
         self.client = self.cluster.client
+        if hosted and cluster is not None:
+            apart = [w["name"] for w in self.cluster.workers_of("rollout") if not w in self.cluster.workers_of(hosted)]
+            if apart:
+                raise ValueError(f"rollout.hosted_by: {hosted}: the cluster given has rollout workers of their own "
+                                 f"({', '.join(map(str, apart))}). Fix: pass a cluster started from this placement "
+                                 f"(RoleCluster(plan_workers(config))), or none")
         # Jobs the queue takes away (scancel, preemption, walltime) are replaced as they go.
         self._job_watch = _Every(2.0, self.replace_lost_jobs, "dask-rl-jobs") if self.cluster.jobs else None
         self.groups = ProcessGroups(self.client)
-        self.routes = WeightRoutes(self.cluster, weight_sync)
+        self.routes = WeightRoutes(self.cluster, weight_sync, hosted=hosted is not None)
         self.weights: weights.WeightHandle | None = None   # None: the initial weights (version 0)
         self._queue = boundary.BoundaryQueue()
         self._lock = threading.Lock()             # one reconciliation at a time
@@ -284,7 +298,8 @@ class Fleet(RankKeeper):
             start_time = time.perf_counter()
             live = {w["name"]: w["address"] for w in self.cluster.workers_of(role)}
             current = [spec for name, spec in self.cluster.specs.items() if name in live]
-            start, retire = plan_change(current, new_config.role(role), self.cluster.next_index(role))
+            start, retire = plan_change(current, new_config.role(role), self.cluster.next_index(role),
+                                        hosts=new_config.hosted_roles(role))
             regroup = role in TRAINABLE_EXPORTS and self.groups.strategy(role) not in (
                 None, new_config.role(role).strategy)
             if not start and not retire and not regroup:

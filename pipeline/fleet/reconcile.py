@@ -70,6 +70,11 @@ def requested_settings(config: ResourceConfig, request: ResourceRequest) -> dict
     if not isinstance(component, str) or component not in config.roles:
         raise ValueError(f"update_resource: unknown component {component!r}. Fix: use one of {sorted(config.roles)}.")
     current = config.role(component)
+    if current.hosted_by is not None:
+        raise ValueError(f"update_resource: {component} runs in the {current.hosted_by}'s workers ({component}."
+                         f"hosted_by: {current.hosted_by}), so it grows and shrinks with them. Fix: change the "
+                         f"{current.hosted_by}'s devices, or start the run with a {component} section of its own "
+                         f"devices to scale it apart.")
     if request.jobs is not None:
         raise ValueError(f"update_resource: jobs= is for a role on a job queue; {component} runs on local "
                          f"{'GPUs: give device_ids' if current.device_type == 'cuda' else 'CPU workers: give workers'}")

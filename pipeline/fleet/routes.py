@@ -17,16 +17,20 @@ from resources.cluster import RoleCluster
 
 
 class WeightRoutes:
-    def __init__(self, cluster: RoleCluster, mode: str):
+    def __init__(self, cluster: RoleCluster, mode: str, hosted: bool = False):
         self.cluster = cluster
         self.mode = mode
+        self.hosted = hosted   # the rollout runs in the actor's processes: nothing to send
         self._channel: tuple[tuple[str, ...], str] | None = None   # (members, init_method)
         self._layout: weights.Layout | None = None
 
     def publish_transport(self) -> str:
         """How actor rank 0 publishes this step's weights: the forced mode, else CUDA IPC
         when every rollout worker shares actor rank 0's GPU (about 5 ms for 1 GB on an H200,
-        against about 1 s through shared memory), else shared memory."""
+        against about 1 s through shared memory), else shared memory. A rollout hosted by the
+        actor reads its parameters in place: nothing is published."""
+        if self.hosted:
+            return "in_process"
         if self.mode in ("shm", "cuda_ipc", "dask"):
             return self.mode
         return "cuda_ipc" if self.mode == "auto" and self._readers_share_actor_gpu() else "shm"
@@ -48,6 +52,8 @@ class WeightRoutes:
 
     def after_publish(self, handle: weights.WeightHandle, actor_address: str, timeout: float) -> None:
         """Broadcast `handle`'s version to the rollout workers that cannot read it locally."""
+        if handle.transport == "in_process":
+            return
         actor_host = {w["address"]: w["host"] for w in self.cluster.workers_of("actor")}[actor_address]
         readers = self.cluster.workers_of("rollout")
         targets = [w["address"] for w in readers if self.mode == "broadcast" or

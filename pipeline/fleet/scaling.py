@@ -23,7 +23,7 @@ def start_adaptive(fleet, bounds, *, interval: float, wait_count: int, **policy:
         raise ValueError("adapt: no bounds. Fix: pass bounds={'rollout': (1, 3), ...} or add an "
                          "`adaptive:` section to the resource file")
     _check_period(interval, wait_count)
-    scalable = [r for r in fleet.roles if not config.role(r).placed_with]
+    scalable = [r for r in fleet.roles if not config.role(r).moves_with]
     for role in bounds:
         if role not in scalable:
             raise ValueError(f"adapt: {role!r} cannot be scaled on its own here. Fix: bound one of {scalable}")

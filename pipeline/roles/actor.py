@@ -140,7 +140,7 @@ class ActorRole:
         if totals.get("refused_steps", 0) == len(per_step):  # no step applied: the published version stands
             return totals, None
         # Collective under FSDP: every rank calls it.
-        state = self.trainer.full_state_dict(on_device=step.transport == "cuda_ipc")
+        state = self.trainer.full_state_dict(on_device=step.transport in weights.ON_DEVICE)
         handle = None if state is None else weights.publish(state, step.next_version, step.snapshot_dir,
                                                             keep=step.keep_versions, transport=step.transport)
         return self.trainer.record(step.next_version, (totals, handle), step.recovery_path)
@@ -217,6 +217,6 @@ def save_pretrained(path: str) -> str | None:
 def publish_loaded(version: int, snapshot_dir: str, transport: str, keep: int) -> weights.WeightHandle:
     """Task: publish the weights this actor holds as `version` (a resumed run's first
     rollouts must sample from the restored policy, not the initial one)."""
-    state = role_state("actor").trainer.full_state_dict(on_device=transport == "cuda_ipc")
+    state = role_state("actor").trainer.full_state_dict(on_device=transport in weights.ON_DEVICE)
     handle = weights.publish(state, version, snapshot_dir, keep=keep, transport=transport)
     return dataclasses.replace(handle, address=get_worker().address)

@@ -14,32 +14,61 @@ FETCH_CHECK_SECONDS = 5.0   # how often a snapshot fetch checks that its publish
 
 
 class RolloutRole:
-    """Lives on a rollout worker: an engine plus the policy version it currently holds."""
+    """Lives on a rollout worker: an engine plus the policy version it currently holds.
+
+    With `hosted_by` ("actor": `rollout: {hosted_by: actor}`) it lives in that role's worker
+    process instead, and its engine runs on a twin of the actor's module that shares its
+    tensors (models.sharing_twin): one copy of the weights on the device, updated in place by
+    each optimizer step, so a sync only notes the version. The engine is built by the first
+    task, once the actor's model is loaded (built again if the actor replaced its model:
+    after a resize or a recovery).
+    """
 
     def __init__(self, model_dir: str, *, device: str = "auto", engine: str = "hf", dtype: str = "float32",
-                 engine_args: dict | None = None):
-        device = resolve_device(device)
-        from pipeline.models import load_causal_lm, load_tokenizer
+                 engine_args: dict | None = None, hosted_by: str | None = None):
+        from pipeline.models import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         # decode: the engines read response text to honour a request's stop strings.
-        ids = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "decode": tokenizer.decode}
-        if engine == "vllm":
-            from pipeline.engines.vllm import VLLMEngine
+        self._ids = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "decode": tokenizer.decode}
+        self._kind, self._engine_args, self.hosted_by = engine, dict(engine_args or {}), hosted_by
+        self._engine = self._host_model = None
+        if hosted_by is None:
+            device = resolve_device(device)
+            if engine == "vllm":
+                from pipeline.engines.vllm import VLLMEngine
 
-            self.engine = VLLMEngine(model_dir, dtype=dtype, **ids, **(engine_args or {}))
-        else:
-            model = load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype))
-            if engine == "cuda_graph":
-                from pipeline.engines.cuda_graph import CudaGraphEngine
-
-                self.engine = CudaGraphEngine(model, device=device, **ids, **(engine_args or {}))
+                self._engine = VLLMEngine(model_dir, dtype=dtype, **self._ids, **self._engine_args)
             else:
-                from pipeline.engines.hf import HFEngine
+                from pipeline.models import load_causal_lm
 
-                self.engine = HFEngine(model, device=device, **ids)
+                self._engine = self._build_engine(load_causal_lm(model_dir, device=device, dtype=getattr(torch, dtype)),
+                                                  device)
         self.version = 0  # the weights in model_dir are version 0
         self._slot_counts: set[int] = set()   # decode shapes the engine has compiled
+
+    def _build_engine(self, model, device: str, **fixed):
+        if self._kind == "cuda_graph":
+            from pipeline.engines.cuda_graph import CudaGraphEngine
+
+            return CudaGraphEngine(model, device=device, **self._ids, **{**self._engine_args, **fixed})
+        from pipeline.engines.hf import HFEngine
+
+        return HFEngine(model, device=device, **self._ids)
+
+    @property
+    def engine(self):
+        if self.hosted_by is not None:
+            trainer = role_state(self.hosted_by).trainer
+            if trainer.model is not self._host_model:   # first use, or the host rebuilt its model
+                from pipeline.models import sharing_twin
+
+                self._engine = None   # the old engine's graphs and caches go before the new ones
+                # Fusing would copy the projections into tensors the updates never reach.
+                fixed = {"fuse_projections": False} if self._kind == "cuda_graph" else {}
+                self._engine = self._build_engine(sharing_twin(trainer.model), trainer.device, **fixed)
+                self._host_model, self._slot_counts = trainer.model, set()
+        return self._engine
 
     def generate(self, request: GenerationRequest) -> Rollout:
         rollout = self.engine.generate(request, self.version)
@@ -54,6 +83,13 @@ class RolloutRole:
 
     def sync(self, handle: weights.WeightHandle | None, snapshot: bytes | None = None) -> None:
         """Load `handle`'s weights unless this worker already holds that version."""
+        if self.hosted_by is not None:
+            # The engine reads the host's parameters, which hold at least `handle`'s version
+            # (this task was submitted after the update that published it): the newest
+            # update this process applied is the version the rollout samples from.
+            self.version = max(self.version, 0 if handle is None else handle.version,
+                               role_state(self.hosted_by).trainer.version)
+            return
         if handle is None or handle.version == self.version:
             return
         if snapshot is None and handle.transport != "cuda_ipc" and (
