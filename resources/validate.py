@@ -283,10 +283,7 @@ class _Parser:
                                  f"workers and devices", f"remove {key}, or remove hosted_by to give the {role} "
                                  f"workers of its own")
         self.check_keys(raw, HOSTED_ROLE_KEYS, prefix=f"{role}.")
-        spec = parsed[host]
-        if spec.job_queue is not None:
-            raise self.error(path, host, f"the {host} runs as batch jobs, which a hosted {role} cannot join",
-                             f"give the {host} local devices, or give the {role} workers of its own")
+        spec = parsed[host]   # never on a job queue: the actor's group is rebuilt from local workers
         if spec.strategy == "fsdp":
             raise self.error(path, host, f"the {host}'s strategy fsdp shards the weights a hosted {role} reads whole",
                              f"set {host}.strategy: ddp (or none on one device), or give the {role} devices of "

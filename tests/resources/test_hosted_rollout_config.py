@@ -1,0 +1,83 @@
+"""`rollout: {hosted_by: actor}`: the file's checks, the plan (the actor's workers carry the
+rollout resource, the rollout has none of its own) and the changes a run refuses."""
+
+import pytest
+
+from pipeline.fleet.reconcile import ResourceRequest, requested_config
+from resources.config import ResourceConfigError
+from resources.devices import GpuInfo
+from resources.plan import plan_change, plan_workers
+from resources.validate import parse_resource_config, with_changes
+
+GPUS = [GpuInfo(i, "H200", 100, 100, 0, 0, 0) for i in range(4)]
+HOSTED = {"actor": {"device_type": "cuda", "device_ids": [0, 1], "strategy": "ddp"},
+          "reward": {"device_type": "cpu"}, "rollout": {"hosted_by": "actor"}}
+
+
+def parse(data):
+    return parse_resource_config(data, gpus=GPUS)
+
+
+def test_a_hosted_rollout_takes_the_actors_devices_and_its_workers_carry_it():
+    config = parse(HOSTED)
+    rollout = config.role("rollout")
+    assert (rollout.hosted_by, rollout.device_type, rollout.device_ids, rollout.workers) == ("actor", "cuda", (0, 1), 2)
+    assert rollout.strategy == "cuda_graph" and rollout.moves_with == "actor"
+    assert config.hosted_roles("actor") == ("rollout",) and config.hosted_roles("rollout") == ()
+    workers = plan_workers(config)
+    assert [(w.name, w.resources, w.device_id) for w in workers if w.role in ("actor", "rollout")] == [
+        ("actor-0", {"actor": 1, "rollout": 1}, 0), ("actor-1", {"actor": 1, "rollout": 1}, 1)]
+    # Defaulted critic/reference still get workers of their own on the actor's GPUs.
+    assert {w.role for w in workers} == {"actor", "critic", "reference", "reward"}
+    # One process: generation and updates take turns, MPS or not.
+    assert parse({**HOSTED, "gpu_sharing": "time_slice"}).take_turns("rollout", "actor")
+
+
+def test_a_hosted_rollout_on_cpu_defaults_to_generate_and_round_trips_through_the_file():
+    config = parse({"actor": {"device_type": "cpu"}, "reward": {"device_type": "cpu"},
+                    "rollout": {"hosted_by": "actor"}})
+    assert config.role("rollout").strategy == "hf" and config.role("rollout").workers == 1
+    assert config.to_dict()["rollout"] == {"hosted_by": "actor", "strategy": "hf"}
+    assert parse(config.to_dict()) == config
+    # A change of the actor's devices carries the rollout with it.
+    moved = with_changes(parse(HOSTED), {"actor": {"device_type": "cuda", "device_ids": [2, 3]}}, source="test",
+                         gpus=GPUS)
+    assert moved.role("rollout").device_ids == (2, 3) and moved.role("rollout").hosted_by == "actor"
+
+
+@pytest.mark.parametrize("rollout, key, words", [
+    ({"hosted_by": "reward"}, "rollout.hosted_by", "only by the actor"),
+    ({"hosted_by": "actor", "device_ids": [2]}, "rollout.device_ids", "runs on the actor's workers"),
+    ({"hosted_by": "actor", "workers": 2}, "rollout.workers", "remove workers"),
+    ({"hosted_by": "actor", "strategy": "vllm"}, "rollout.strategy", "only cuda_graph and hf can"),
+    ({"hosted_by": "actor", "cuda_graph_args": {"fuse_projections": True}},
+     "rollout.cuda_graph_args.fuse_projections", "never reach"),
+    ({"hosted_by": "actor", "max_batch": 3}, "rollout.max_batch", "unknown key"),
+])
+def test_bad_hosted_rollouts_are_refused_naming_the_key_and_the_fix(rollout, key, words):
+    with pytest.raises(ResourceConfigError, match="Fix: ") as caught:
+        parse({**HOSTED, "rollout": rollout})
+    assert caught.value.path == key and words in str(caught.value)
+
+
+def test_a_hosted_rollout_needs_an_actor_whose_weights_are_whole():
+    with pytest.raises(ResourceConfigError, match="fsdp shards the weights") as caught:
+        parse({**HOSTED, "actor": {"device_type": "cuda", "device_ids": [0, 1], "strategy": "fsdp"}})
+    assert caught.value.path == "rollout.hosted_by" and "strategy: ddp" in caught.value.fix
+
+
+def test_a_hosted_rollout_is_not_scaled_on_its_own():
+    with pytest.raises(ResourceConfigError, match="grows and shrinks with them") as caught:
+        parse({**HOSTED, "adaptive": {"rollout": {"min": 1, "max": 2}}})
+    assert caught.value.path == "adaptive.rollout"
+    config = parse({"actor": {"device_type": "cpu"}, "reward": {"device_type": "cpu"},
+                    "rollout": {"hosted_by": "actor"}})
+    with pytest.raises(ValueError, match=r"rollout runs in the actor's workers .*Fix: change the actor's devices"):
+        requested_config(config, ResourceRequest("rollout", workers=2))
+    # Growing the actor plans a new worker that hosts the rollout too; the rollout plans none.
+    grown = requested_config(config, ResourceRequest("actor", workers=2, strategy="ddp"))
+    current = [w for w in plan_workers(config) if w.role == "actor"]
+    start, retire = plan_change(current, grown.role("actor"), 1, hosts=grown.hosted_roles("actor"))
+    assert [(w.name, w.resources) for w in start] == [("actor-1", {"actor": 1, "rollout": 1})]
+    assert retire == [] and plan_change(current, grown.role("rollout"), 0) == ([], [])
+    assert grown.role("rollout").workers == 2
