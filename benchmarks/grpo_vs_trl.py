@@ -147,6 +147,9 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
         torch.set_num_threads(args.driver_threads)
     gpu = {"device_type": "cuda", "device_ids": [0]}
     rollout = {**gpu, "strategy": "cuda_graph", "cuda_graph_args": engine_options(args)}
+    if args.hosted_rollout:   # in the actor's process, on its tensors (a hosted engine never fuses)
+        options = {k: v for k, v in engine_options(args).items() if k != "fuse_projections"}
+        rollout = {"hosted_by": "actor", "strategy": "cuda_graph", **({"cuda_graph_args": options} if options else {})}
     config = load_resource_config({
         "actor": {**gpu, "strategy": "none"}, "rollout": rollout,
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True, "gpu_sharing": args.gpu_sharing,
@@ -220,7 +223,10 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                 print(f"dask-rl: the driver's profile is in {args.driver_profile}", flush=True)
             else:
                 trainer.train(args.dask_steps, on_step=on_step_with_slots)
-            roles = {w["address"]: role for role in ("actor", "rollout") for w in trainer.fleet.cluster.workers_of(role)}
+            roles: dict[str, str] = {}   # address -> its roles ("actor+rollout" for a hosted rollout)
+            for role in ("actor", "rollout"):
+                for w in trainer.fleet.cluster.workers_of(role):
+                    roles[w["address"]] = "+".join(filter(None, (roles.get(w["address"]), role)))
             torch_memory = {roles.get(address, address): stats for address, stats in
                             client.run(torch_gpu_memory).items() if stats}
             steady_from = step_ends[args.warmup - 1] if 0 < args.warmup <= len(step_ends) else 0.0
@@ -388,6 +394,9 @@ def main(argv=None) -> int:
     parser.add_argument("--request-groups", type=int, default=2, help="dask-rl's train.partial_request_groups")
     parser.add_argument("--partial-keep-kv", action="store_true",
                         help="dask-rl with train.partial_keep_kv: a row still in its slot decodes on there")
+    parser.add_argument("--hosted-rollout", action="store_true",
+                        help="dask-rl's rollout hosted by the actor (rollout: {hosted_by: actor}): one process, "
+                             "one copy of the weights")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
     add_engine_options(parser)

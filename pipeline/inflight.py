@@ -78,8 +78,10 @@ class InFlight:
         if train_config.partial_rollouts:   # decided at start; a later placement change keeps it
             take_turns = fleet.config.take_turns("rollout", "actor")
             self.ahead = partial.batches_ahead(train_config.max_staleness, take_turns)
+            hosted = fleet.config.role("rollout").hosted_by == "actor"
             self.partial_mode = (
                 ("the next batch generates during the update" if self.ahead else
+                 "batches generate after the update (the rollout runs in the actor's processes)" if hosted else
                  "batches generate after the update (the rollout takes turns with the actor on its GPU; "
                  "gpu_sharing: mps lets them run at once)" if take_turns else
                  "batches generate after the update (max_staleness 1)")

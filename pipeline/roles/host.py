@@ -71,6 +71,9 @@ class RoleHost(WorkerPlugin):
         self.load_started, start = time.time(), time.perf_counter()
         try:
             self.state = await asyncio.to_thread(self._build, worker.plugins.get(BackgroundImports.name))
+            bind = getattr(self.state, "bind_worker", None)   # a role that reaches another on its worker
+            if callable(bind):
+                bind(worker)
             settle_heap()
         except BaseException as error:  # reported by the first task rather than killing the worker
             logger.exception("dask-rl: %s worker %s failed to load its model", self.role, worker.name)

@@ -32,7 +32,7 @@ class RolloutRole:
         # decode: the engines read response text to honour a request's stop strings.
         self._ids = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "decode": tokenizer.decode}
         self._kind, self._engine_args, self.hosted_by = engine, dict(engine_args or {}), hosted_by
-        self._engine = self._host_model = None
+        self._engine = self._host_model = self._worker = None
         if hosted_by is None:
             device = resolve_device(device)
             if engine == "vllm":
@@ -56,10 +56,15 @@ class RolloutRole:
 
         return HFEngine(model, device=device, **self._ids)
 
+    def bind_worker(self, worker) -> None:
+        """RoleHost hands over the worker this role lives on (where a hosted rollout finds
+        its host, from tasks and from `client.run` alike)."""
+        self._worker = worker
+
     @property
     def engine(self):
         if self.hosted_by is not None:
-            trainer = role_state(self.hosted_by).trainer
+            trainer = role_state(self.hosted_by, self._worker).trainer
             if trainer.model is not self._host_model:   # first use, or the host rebuilt its model
                 from pipeline.models import sharing_twin
 
@@ -88,7 +93,7 @@ class RolloutRole:
             # (this task was submitted after the update that published it): the newest
             # update this process applied is the version the rollout samples from.
             self.version = max(self.version, 0 if handle is None else handle.version,
-                               role_state(self.hosted_by).trainer.version)
+                               role_state(self.hosted_by, self._worker).trainer.version)
             return
         if handle is None or handle.version == self.version:
             return
