@@ -122,3 +122,43 @@ def test_growing_the_actor_grows_the_hosted_rollout_and_rebinds_its_engine(tiny_
     # Every engine that served a batch reads its own process's current tensors.
     served = [e for e in engines.values() if e["version"] > 0]
     assert served and all(e["same_objects"] for e in served) and len({e["pid"] for e in engines.values()}) == 2
+
+
+@pytest.mark.slow
+def test_a_resumed_hosted_run_repeats_the_uninterrupted_run_step_for_step(tiny_model, prompts, tmp_path):
+    """The resumed actor loads the checkpoint into a model the engine has not seen: the
+    engine rebinds to it, and the run goes on exactly as the uninterrupted one."""
+    config = load_resource_config(HOSTED)
+    with role_cluster(config) as cluster:
+        def trainer(out, **more):
+            return HybridTrainer(tiny_model, digit_fraction, config, prompts=prompts, cluster=cluster,
+                                 output_dir=str(tmp_path / out), **RUN, **more)
+
+        with trainer("straight", steps=4) as run:
+            straight = run.train()
+        with trainer("cut", steps=2, checkpoint={"every_n_steps": 2}) as run:
+            first = run.train()
+        with trainer("cut", steps=4, resume=True) as run:
+            assert run.version == 2
+            rest = run.train()
+            [engine] = cluster.client.run(_engine_reads_the_actors_tensors,
+                                          workers=[w["address"] for w in cluster.workers_of("actor")]).values()
+    assert [r.step for r in rest] == [2, 3]
+    for mine, theirs in zip(first + rest, straight, strict=True):
+        assert (mine.reward_mean, mine.tokens) == (theirs.reward_mean, theirs.tokens)
+        assert mine.losses["policy_loss"] == pytest.approx(theirs.losses["policy_loss"], rel=1e-6, abs=1e-9)
+    assert engine["same_objects"] and engine["version"] == 3
+
+
+def test_runs_a_hosted_rollout_cannot_serve_are_refused_before_any_model_loads(tiny_model, prompts, shared_cluster):
+    config = load_resource_config(HOSTED)
+    common = dict(prompts=prompts, show_progress=False, algorithm="grpo", samples_per_prompt=2, kl_coef=0.0)
+    with pytest.raises(ValueError, match=r"train.weight_sync: shm: the rollout is hosted by the actor.*Fix: remove"):
+        HybridTrainer(tiny_model, digit_fraction, config, weight_sync="shm", **common)
+    with pytest.raises(ValueError, match=r"rollout.hosted_by: actor: a run that joins a scheduler.*Fix: give the "
+                                         r"rollout workers of its own"):
+        HybridTrainer(tiny_model, digit_fraction, config, scheduler_address="tcp://127.0.0.1:1", **common)
+    # The shared cluster's rollout workers are processes of their own: not this placement.
+    with pytest.raises(ValueError, match=r"the cluster given has rollout workers of their own \(rollout-0, "
+                                         r"rollout-1\)"):
+        HybridTrainer(tiny_model, digit_fraction, config, cluster=shared_cluster, **common)
