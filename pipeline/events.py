@@ -109,8 +109,9 @@ def announce_worker(worker: Any, role: str) -> None:
 
 
 def role_of(resources: dict) -> str:
-    """The role a worker carries: its one role resource above 0 ("" if none)."""
-    return next((str(name) for name, amount in resources.items() if amount and name in ROLES), "")
+    """The role a worker carries: its role resource above 0 ("" if none); an actor worker
+    that hosts the rollout (rollout.hosted_by) carries both: "actor+rollout"."""
+    return "+".join(str(name) for name, amount in resources.items() if amount and name in ROLES)
 
 
 def shorten(text: str, limit: int = TEXT_LIMIT) -> str:

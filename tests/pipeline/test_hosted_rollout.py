@@ -37,6 +37,13 @@ def _engine_reads_the_actors_tensors(dask_worker=None) -> dict:
             "pid": os.getpid(), "version": rollout.version}
 
 
+def _worker_table(dask_scheduler=None) -> list[tuple[str, str]]:
+    """The RL page's worker table: (role, name) of each row."""
+    from pipeline.monitor import NAME
+
+    return [(row["role"], row["name"]) for row in dask_scheduler.plugins[NAME].workers()]
+
+
 def _run(layout, tiny_model, prompts, steps=3):
     config = load_resource_config(layout)
     with role_cluster(config) as cluster:
@@ -47,6 +54,7 @@ def _run(layout, tiny_model, prompts, steps=3):
         if layout["rollout"].get("hosted_by"):
             found["engine"] = cluster.client.run(_engine_reads_the_actors_tensors,
                                                  workers=[w["address"] for w in cluster.workers_of("actor")])
+            found["table"] = cluster.client.run_on_scheduler(_worker_table)
         trainer.close()
     return records, found
 
@@ -77,6 +85,9 @@ def test_a_hosted_rollout_reads_the_actors_tensors_in_its_process_and_nothing_is
     assert engine["engine_attention"] != engine["actor_attention"]
     assert found["handle"].transport == "in_process" and found["handle"].nbytes == 0
     assert found["snapshots"] == []
+    # The RL page's worker table shows the one process with both roles, first among the roles.
+    assert found["table"][0] == ("actor+rollout", "actor-0")
+    assert [role for role, _ in found["table"]].count("rollout") == 0
 
 
 def test_the_twin_shares_every_tensor_and_leaves_the_trained_module_alone(tiny_model):
