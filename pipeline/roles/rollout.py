@@ -68,7 +68,9 @@ class RolloutRole:
             if trainer.model is not self._host_model:   # first use, or the host rebuilt its model
                 from pipeline.models import sharing_twin
 
-                self._engine = None   # the old engine's graphs and caches go before the new ones
+                if self._engine is not None:   # the old engine, its graphs and caches go first:
+                    self._engine = self._host_model = None   # generate froze them with the heap,
+                    settle_heap()                            # so only a thawing collection frees them
                 # Fusing would copy the projections into tensors the updates never reach.
                 fixed = {"fuse_projections": False} if self._kind == "cuda_graph" else {}
                 self._engine = self._build_engine(sharing_twin(trainer.model), trainer.device, **fixed)

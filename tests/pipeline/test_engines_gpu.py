@@ -1,6 +1,7 @@
 """The cuda_graph engine captured as CUDA graphs on a real GPU (`pytest -m gpu`): its
 bf16 logprobs stay close to the actor's training forward, new weights copied in place are
-served by the same graphs, and sequences stop at EOS."""
+served by the same graphs (and, hosted by the actor, its optimizer steps), and sequences
+stop at EOS."""
 
 from __future__ import annotations
 
@@ -60,6 +61,42 @@ def test_graph_logprobs_match_the_actor_and_survive_a_weight_update(model):
     diff = _difference(model, again)   # model now holds the new weights: the graphs must too
     assert diff.mean() < 0.02 and diff.max() < 0.25
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a weight update must not recompile"
+
+
+def test_a_hosted_engine_serves_each_optimizer_step_through_the_same_graphs():
+    """rollout.hosted_by: the engine runs on a twin of the trained module (models.sharing_twin).
+    An AdamW step of the trained module (train mode, gradient checkpointing, a backward pass)
+    writes the shared tensors in place: the captured graphs sample from the new weights with
+    no sync and no recompile, and the trained module keeps its own attention and mode."""
+    import torch._dynamo.utils
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pipeline.models import sharing_twin
+    from pipeline.roles.training import enable_checkpointing
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         pad_token_id=0, eos_token_id=1)
+    actor = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    enable_checkpointing(actor)
+    attention = actor.config._attn_implementation
+    engine = CudaGraphEngine(sharing_twin(actor), pad_id=0, eos_id=1, device="cuda", fuse_projections=False)
+    first = engine.generate(_request(), 0)
+    assert _difference(actor.eval(), first).mean() < 0.02
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    actor.train()
+    ids = first.input_ids[:8].cuda()
+    actor(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    again = engine.generate(_request(seed=1), 1)
+    diff = _difference(actor.eval(), again)   # the actor's forward after its step: the graphs follow it
+    print(f"hosted engine after an AdamW step: bf16 logprob difference mean {diff.mean():.4f}, max {diff.max():.4f}")
+    assert diff.mean() < 0.02 and diff.max() < 0.25
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "an optimizer step must not recompile"
+    assert actor.config._attn_implementation == attention
 
 
 def test_compiled_prefill_matches_the_actor_over_passes_of_several_sizes(model, monkeypatch):

@@ -173,3 +173,17 @@ def test_runs_a_hosted_rollout_cannot_serve_are_refused_before_any_model_loads(t
     with pytest.raises(ValueError, match=r"the cluster given has rollout workers of their own \(rollout-0, "
                                          r"rollout-1\)"):
         HybridTrainer(tiny_model, digit_fraction, config, cluster=shared_cluster, **common)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_carry_rows_in_the_actors_process(tiny_model, prompts):
+    """Partial rollouts hosted by the actor: no batch generates ahead (one process), rows
+    left unfinished continue in the next step within max_staleness."""
+    config = load_resource_config(HOSTED)
+    partial = {**RUN, "max_staleness": 2, "partial_rollouts": True, "stop": ["a", "e", "1", "3"], "max_new_tokens": 24}
+    with role_cluster(config) as cluster:
+        with HybridTrainer(tiny_model, digit_fraction, config, prompts=prompts, cluster=cluster, **partial) as trainer:
+            assert trainer.batches.ahead == 0 and "runs in the actor's processes" in trainer.batches.partial_mode
+            records = trainer.train(5)
+    assert any(r.carried_rows for r in records) and max(r.staleness_max for r in records) <= 2
+    assert any(r.staleness > 0 for r in records)   # carried rows were trained a version later
