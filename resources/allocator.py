@@ -155,6 +155,21 @@ def free_bytes(device: Any) -> int | None:
     return max(0, available)
 
 
+def limit_gpu_memory(gib: float, device: Any = 0) -> float | None:
+    """Cap what this process allocates through torch on `device` at `gib` GiB (a role's
+    max_gpu_memory_gib): the caching allocator refuses more, and free_bytes, by which
+    micro-batches, generation slots and KV caches are sized, counts only what is left under
+    it. Returns the fraction of the device's memory set; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def release_cached(device: Any = None) -> None:
     """Hand the blocks torch cached but no longer uses back to the GPU (after an
     out-of-memory error: the next, smaller attempt and co-located roles need them)."""

@@ -39,7 +39,8 @@ COMM_BACKENDS = ("nccl", "gloo", "auto")
 # How roles placed on one GPU share it: the NVIDIA driver's time slices (one process's kernels at a
 # time) or NVIDIA MPS, whose daemon runs the kernels of several processes at once.
 GPU_SHARING = ("time_slice", "mps")
-ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args", "cuda_graph_args")
+ROLE_KEYS = ("device_type", "device_ids", "workers", "strategy", "vllm_args", "cuda_graph_args",
+             "max_gpu_memory_gib")
 # A rollout may run inside the actor's worker processes instead of its own (`rollout: {hosted_by:
 # actor}`): its engine reads the actor's parameters in place, so the GPU holds one copy of the
 # weights, one CUDA context and no published copy, and generation and updates take turns.
@@ -141,6 +142,9 @@ class RoleSpec:
     job_queue: JobQueueSpec | None = None  # workers are batch jobs (`workers` of them), not local devices
     cuda_graph_args: tuple[tuple[str, object], ...] = ()  # the cuda_graph engine's options (CUDA_GRAPH_ARGS)
     hosted_by: str | None = None  # "actor": runs in the actor's workers, on its devices (HOSTS)
+    # The most GPU memory each worker process of the role allocates through torch (GiB; its
+    # CUDA context comes on top); None: all of its GPU. A hosted role shares its host's.
+    max_gpu_memory_gib: float | None = None
 
     @property
     def moves_with(self) -> str | None:
@@ -245,6 +249,8 @@ def role_dict(spec: RoleSpec) -> dict[str, Any]:
                             "device_ids": list(spec.device_ids), "strategy": spec.strategy}
     if spec.device_type == "cpu":
         data["workers"] = spec.workers
+    if spec.max_gpu_memory_gib is not None:
+        data["max_gpu_memory_gib"] = spec.max_gpu_memory_gib
     return {**data, **engine_args_dict(spec)}
 
 

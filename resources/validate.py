@@ -41,6 +41,8 @@ MAX_TIMEOUT_SECONDS = 10_000_000
 # - a CPU role's workers are processes started on this machine, each holding its own model;
 #   adaptive bounds count the same workers.
 MAX_ROLE_WORKERS = 1024
+# - a role's GPU memory cap, far above any GPU made (it becomes a fraction of the device's memory).
+MAX_GPU_MEMORY_GIB = 1_000_000
 # - vLLM's counts (max_model_len, max_num_seqs, ...) reach its kernels as 32-bit integers.
 MAX_ENGINE_COUNT = 2**31 - 1
 
@@ -268,7 +270,20 @@ class _Parser:
         strategy = self.strategy(role, raw.get("strategy", _MISSING), workers, device_type)
         vllm_args = self.vllm_args(role, raw.get("vllm_args", _MISSING), strategy)
         cuda_graph_args = self.cuda_graph_args(role, raw.get("cuda_graph_args", _MISSING), strategy)
-        return RoleSpec(role, device_type, ids, workers, strategy, vllm_args, cuda_graph_args=cuda_graph_args)
+        return RoleSpec(role, device_type, ids, workers, strategy, vllm_args, cuda_graph_args=cuda_graph_args,
+                        max_gpu_memory_gib=self.gpu_memory_cap(role, raw.get("max_gpu_memory_gib"), device_type))
+
+    def gpu_memory_cap(self, role: str, value: Any, device_type: str) -> float | None:
+        path = f"{role}.max_gpu_memory_gib"
+        if value is None:
+            return None
+        if device_type != "cuda":
+            raise self.error(path, value, "a cap on GPU memory for a role on CPU workers",
+                             "remove it, or use device_type: cuda")
+        if not (_is_positive_number(value) and value <= MAX_GPU_MEMORY_GIB):
+            raise self.error(path, value, f"expected a number of GiB > 0 and at most {MAX_GPU_MEMORY_GIB}",
+                             "use e.g. max_gpu_memory_gib: 20, or remove it to let the role use its whole GPU")
+        return float(value)
 
     def hosted(self, role: str, raw: Mapping, parsed: Mapping[str, RoleSpec]) -> RoleSpec:
         """A role run inside another role's workers (`rollout: {hosted_by: actor}`): on their
@@ -282,6 +297,10 @@ class _Parser:
                 raise self.error(f"{role}.{key}", raw[key], f"a {role} hosted by the {host} runs on the {host}'s "
                                  f"workers and devices", f"remove {key}, or remove hosted_by to give the {role} "
                                  f"workers of its own")
+        if "max_gpu_memory_gib" in raw:
+            raise self.error(f"{role}.max_gpu_memory_gib", raw["max_gpu_memory_gib"], f"a hosted {role} allocates "
+                             f"in the {host}'s processes, under the {host}'s cap", f"remove it, and set "
+                             f"{host}.max_gpu_memory_gib for both")
         self.check_keys(raw, HOSTED_ROLE_KEYS, prefix=f"{role}.")
         spec = parsed[host]   # never on a job queue: the actor's group is rebuilt from local workers
         if spec.strategy == "fsdp":
@@ -475,6 +494,7 @@ class _Parser:
         self.check_mps(config)
         have = sorted(g.index for g in gpus)
         busy = {} if config.allow_busy_devices else devices.busy_gpus(gpus, config.busy_memory_fraction)
+        sizes = {g.index: g.total_bytes for g in gpus}
         for spec in cuda:
             path = f"{spec.role}.device_ids"
             for i in spec.device_ids:
@@ -482,6 +502,11 @@ class _Parser:
                     raise self.error(path, spec.device_ids, f"GPU {i} does not exist; this "
                                      f"machine has GPUs {_show(have)}",
                                      "use ids from that list (NVML order, as nvidia-smi shows)")
+                cap = spec.max_gpu_memory_gib
+                if cap is not None and sizes[i] and cap * 2**30 > sizes[i]:
+                    raise self.error(f"{spec.role}.max_gpu_memory_gib", cap, f"GPU {i} has "
+                                     f"{sizes[i] / 2**30:.1f} GiB", f"use at most {sizes[i] / 2**30:.1f}, or remove "
+                                     f"it to let the role use its whole GPU")
                 if i in busy and i not in self.owned:
                     raise self.error(path, spec.device_ids, f"GPU {i} is busy ({busy[i]})",
                                      "pick a free GPU, stop what runs there, or set "

@@ -147,9 +147,12 @@ class Fleet(RankKeeper):
         """One RoleHost plugin per role: every worker carrying the role loads its model once.
         Registering returns once every worker ran its setup; one thread per role lets the
         roles load their models side by side."""
+        # A role's GPU memory cap is its process's: a hosted role allocates under its host's.
+        caps = {role: self.config.role(role).max_gpu_memory_gib for role in recipes}
         with ThreadPoolExecutor(len(recipes)) as pool:
             list(pool.map(lambda role: self.client.register_plugin(
-                RoleHost(role, recipes[role], torch_threads=torch_threads), name=plugin_name(role)), recipes))
+                RoleHost(role, recipes[role], torch_threads=torch_threads, gpu_memory_gib=caps[role]),
+                name=plugin_name(role)), recipes))
 
     def addresses(self, role: str) -> list[str]:
         return [w["address"] for w in self.cluster.workers_of(role)]

@@ -22,6 +22,7 @@ from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from pipeline import events
+from resources.allocator import limit_gpu_memory
 from resources.launcher import BackgroundImports
 
 logger = logging.getLogger("dask_rl")
@@ -39,11 +40,13 @@ def plugin_name(role: str) -> str:
 class RoleHost(WorkerPlugin):
     """Builds `build()` once on each worker that carries the `role` resource."""
 
-    def __init__(self, role: str, build: Callable[[], Any] | None, torch_threads: int | None = None):
+    def __init__(self, role: str, build: Callable[[], Any] | None, torch_threads: int | None = None,
+                 gpu_memory_gib: float | None = None):
         self.role = role
         self.build = build
         self._recipe: bytes | None = None    # `build` as it travelled, until _build unpickles it
         self.torch_threads = torch_threads
+        self.gpu_memory_gib = gpu_memory_gib   # the role's max_gpu_memory_gib, set before it allocates
         self.state: Any = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
@@ -57,10 +60,12 @@ class RoleHost(WorkerPlugin):
         # with the plugin, it imported the role's module (torch, transformers) on the worker's
         # event loop while the BackgroundImports thread imported the same packages, and the two
         # raced ("cannot import name 'fsdp' from 'torch.distributed'" on a SLURM job's worker).
-        return {"role": self.role, "recipe": cloudpickle.dumps(self.build), "torch_threads": self.torch_threads}
+        return {"role": self.role, "recipe": cloudpickle.dumps(self.build), "torch_threads": self.torch_threads,
+                "gpu_memory_gib": self.gpu_memory_gib}
 
     def __setstate__(self, state):
-        self.__init__(state["role"], None, torch_threads=state["torch_threads"])
+        self.__init__(state["role"], None, torch_threads=state["torch_threads"],
+                      gpu_memory_gib=state["gpu_memory_gib"])
         self._recipe = state["recipe"]
 
     async def setup(self, worker) -> None:
@@ -92,6 +97,10 @@ class RoleHost(WorkerPlugin):
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        if self.gpu_memory_gib is not None:
+            fraction = limit_gpu_memory(self.gpu_memory_gib)
+            logger.info("dask-rl: %s worker capped at %.1f GiB of GPU memory (%s of the device)", self.role,
+                        self.gpu_memory_gib, "no GPU here" if fraction is None else f"{fraction:.1%}")
         if self.build is None:
             self.build, self._recipe = cloudpickle.loads(self._recipe), None
         return self.build()

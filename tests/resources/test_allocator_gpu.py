@@ -286,3 +286,34 @@ def test_cuda_graph_engine_batch_follows_the_memory_another_process_leaves(measu
     assert any("generation: 256 ->" in line and "free memory" in line for line in lines)
     for rollout in (crowded, alone):
         assert torch.isfinite(rollout.behavior_logprobs).all() and (rollout.response_mask.sum(-1) >= 1).all()
+
+
+CAPPED = """
+import json, torch
+from resources.allocator import free_bytes, limit_gpu_memory
+fraction = limit_gpu_memory(2.0)
+free = free_bytes("cuda")
+kept = torch.empty(GIB, dtype=torch.uint8, device="cuda")   # 1 GiB fits under the cap
+try:
+    torch.empty(int(1.5 * GIB), dtype=torch.uint8, device="cuda")   # 2.5 GiB in all does not
+    refused = False
+except torch.OutOfMemoryError:
+    refused = True
+print(json.dumps({"fraction": fraction, "free": free, "refused": refused, "free_after": free_bytes("cuda")}))
+""".replace("GIB", str(GiB))
+
+
+def test_a_roles_gpu_memory_cap_bounds_the_process_and_what_it_sees_free(measured):
+    """max_gpu_memory_gib: the role's process allocates at most its cap, and free_bytes (what
+    micro-batches, generation slots and KV caches are sized by) counts only what is left
+    under it. In a process of its own: a cap outlives the test that sets it."""
+    import json
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    measured(f"a 2 GiB cap: {result['fraction']:.2%} of the device; free {result['free'] / GiB:.2f} GiB before and "
+             f"{result['free_after'] / GiB:.2f} GiB after 1 GiB was allocated")
+    assert result["refused"] and 0 < result["fraction"] < 1
+    assert 1.9 * GiB <= result["free"] <= 2 * GiB and 0.9 * GiB <= result["free_after"] <= GiB

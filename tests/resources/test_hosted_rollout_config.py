@@ -1,5 +1,6 @@
 """`rollout: {hosted_by: actor}`: the file's checks, the plan (the actor's workers carry the
-rollout resource, the rollout has none of its own) and the changes a run refuses."""
+rollout resource, the rollout has none of its own) and the changes a run refuses; and a
+role's `max_gpu_memory_gib`, which caps the process a hosted rollout shares."""
 
 import pytest
 
@@ -9,7 +10,7 @@ from resources.devices import GpuInfo
 from resources.plan import plan_change, plan_workers
 from resources.validate import parse_resource_config, with_changes
 
-GPUS = [GpuInfo(i, "H200", 100, 100, 0, 0, 0) for i in range(4)]
+GPUS = [GpuInfo(i, "H200", 100 * 2**30, 100 * 2**30, 0, 0, 0) for i in range(4)]
 HOSTED = {"actor": {"device_type": "cuda", "device_ids": [0, 1], "strategy": "ddp"},
           "reward": {"device_type": "cpu"}, "rollout": {"hosted_by": "actor"}}
 
@@ -81,3 +82,37 @@ def test_a_hosted_rollout_is_not_scaled_on_its_own():
     assert [(w.name, w.resources) for w in start] == [("actor-1", {"actor": 1, "rollout": 1})]
     assert retire == [] and plan_change(current, grown.role("rollout"), 0) == ([], [])
     assert grown.role("rollout").workers == 2
+
+
+def test_a_gpu_memory_cap_is_read_checked_and_written_back():
+    config = parse({**HOSTED, "actor": {**HOSTED["actor"], "max_gpu_memory_gib": 9}})
+    assert config.role("actor").max_gpu_memory_gib == 9.0 and config.role("reward").max_gpu_memory_gib is None
+    assert config.to_dict()["actor"]["max_gpu_memory_gib"] == 9.0 and parse(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("data, key, words", [
+    ({"actor": {"device_type": "cuda", "device_ids": [0], "max_gpu_memory_gib": 0}}, "actor.max_gpu_memory_gib",
+     "expected a number of GiB > 0"),
+    ({"actor": {"device_type": "cuda", "device_ids": [0], "max_gpu_memory_gib": True}}, "actor.max_gpu_memory_gib",
+     "expected a number of GiB"),
+    ({"actor": {"device_type": "cuda", "device_ids": [0], "max_gpu_memory_gib": float("inf")}},
+     "actor.max_gpu_memory_gib", "expected a number of GiB"),
+    ({"actor": {"device_type": "cuda", "device_ids": [0], "max_gpu_memory_gib": 101}}, "actor.max_gpu_memory_gib",
+     "GPU 0 has 100.0 GiB"),
+    ({"reward": {"device_type": "cpu", "max_gpu_memory_gib": 4}}, "reward.max_gpu_memory_gib", "CPU workers"),
+    ({"rollout": {"hosted_by": "actor", "max_gpu_memory_gib": 4}}, "rollout.max_gpu_memory_gib",
+     "set actor.max_gpu_memory_gib for both"),
+])
+def test_bad_gpu_memory_caps_are_refused_naming_the_key_and_the_fix(data, key, words):
+    with pytest.raises(ResourceConfigError, match="Fix: ") as caught:
+        parse({**HOSTED, **data})
+    assert caught.value.path == key and words in str(caught.value)
+
+
+def test_the_role_host_carries_the_cap_to_the_worker():
+    import pickle
+
+    from pipeline.roles.host import RoleHost
+
+    arrived = pickle.loads(pickle.dumps(RoleHost("actor", dict, gpu_memory_gib=9.0)))
+    assert arrived.gpu_memory_gib == 9.0 and arrived._build(None) == {}   # no GPU here: nothing capped
