@@ -150,8 +150,9 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     if args.hosted_rollout:   # in the actor's process, on its tensors (a hosted engine never fuses)
         options = {k: v for k, v in engine_options(args).items() if k != "fuse_projections"}
         rollout = {"hosted_by": "actor", "strategy": "cuda_graph", **({"cuda_graph_args": options} if options else {})}
+    cap = {"max_gpu_memory_gib": args.max_gpu_memory_gib} if args.max_gpu_memory_gib else {}
     config = load_resource_config({
-        "actor": {**gpu, "strategy": "none"}, "rollout": rollout,
+        "actor": {**gpu, "strategy": "none", **cap}, "rollout": rollout,
         "reward": {"device_type": "cpu", "workers": 1}, "allow_shared_devices": True, "gpu_sharing": args.gpu_sharing,
         "comm_backend": "nccl", "timeout_seconds": 600})
     seconds, tokens, rows, phases, staleness, step_ends = [], [], [], [], [], []
@@ -397,6 +398,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hosted-rollout", action="store_true",
                         help="dask-rl's rollout hosted by the actor (rollout: {hosted_by: actor}): one process, "
                              "one copy of the weights")
+    parser.add_argument("--max-gpu-memory-gib", type=float, default=None, metavar="GIB",
+                        help="the actor's max_gpu_memory_gib (with --hosted-rollout: the rollout's too)")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="dask-rl with train.partial_rollouts: unfinished rows continue in the next step")
     add_engine_options(parser)
