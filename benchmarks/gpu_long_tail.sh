@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long-tail figures on one GPU, each part under its own time limit (seconds, from the *_LIMIT
-# variables): PARTS="start tests engine partial prefill attention sharedattention profile sampler update updateshared grpo256 grpo256partial grpo256fixed grpo64"
+# variables): PARTS="start tests engine partial prefill attention sharedattention profile sampler update updateshared grpo256 grpo256partial grpo256hosted grpo256fixed grpo64"
 # (sampler: decode_profile.py with the exponential race, the sampler before, then the inverse one)
 # (updateshared: the batch-256 fixed-length update with and without train.share_prompts, profiled;
 # sharedattention: one layer's attention of that update alone, FlexAttention against cuDNN)
@@ -8,7 +8,9 @@
 # the default, times `partial` both ways, at each of REFILL_SHARES (default 16); KEEP_KV=1 runs
 # grpo256partial with train.partial_keep_kv; PREFILL_MODES="eager compiled" and LOOKS="lagged
 # present" time `partial` each way; REQUEST_GROUPS (default 3) is train.partial_request_groups of
-# `partial` and grpo256partial; ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
+# `partial`, grpo256partial and grpo256hosted (the same run with rollout: {hosted_by: actor}, no
+# MPS needed, and HOSTED_CAP, e.g. 9, as the actor's max_gpu_memory_gib); `tests` runs every
+# `-m gpu` test under TESTS_PATHS (default tests/); ALLOC_CONF is grpo256partial's PYTORCH_CUDA_ALLOC_CONF for
 # dask-rl's workers; UPDATE_ARGS go to packed_update.py; PROFILE_SLOTS, default "256 32", are
 # the slot counts decode_profile.py profiles (PROFILE_ARGS, e.g. --unfused, more of its flags); DECODE_ATTENTION=sdpa|kernel is the cuda_graph
 # engine's decode attention in every part (`attention` times the two alone); with MPS=1 every part runs under an NVIDIA MPS
@@ -48,15 +50,20 @@ for p in ${PARTS:-tests engine update}; do
         start) for i in 1 2; do part start_probe_$i ${START_LIMIT:-60} python3 benchmarks/start_probe.py; done
                for i in 1 2; do part cluster_start_$i ${START_LIMIT:-60} python3 benchmarks/grpo_vs_trl.py \
                    --prompts-per-step 8 --dask-steps 3 --skip-trl --json "$OUT/cluster_start.json"; done ;;
-        tests) part tests ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -s \
-                   tests/pipeline/test_mps_gpu.py tests/pipeline/test_engines_gpu.py tests/pipeline/test_packing_gpu.py \
-                   tests/pipeline/test_engines.py ${TESTS_K:+-k "$TESTS_K"} ;;
+        tests) part tests ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider -s --continue-on-collection-errors \
+                   tests/pipeline/test_mps_gpu.py ${TESTS_PATHS:-tests} ${TESTS_K:+-k "$TESTS_K"} ;;
         engine) part engine ${ENGINE_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
                     --long-tail 0.004 0.0075 --skip-generate --repeats 2 $DECODE --json "$OUT/long_tail.json" ;;
         partial) part partial ${PARTIAL_LIMIT:-330} python3 benchmarks/rollout_engines.py --batches 256 --new-tokens 1024 \
                      --long-tail ${LONG_TAIL:-0.004 0.0075} --partial 6 --request-groups ${REQUEST_GROUPS:-3} --max-staleness ${MAX_STALENESS:-2} \
                      --kv ${KV:-prefill keep} --refill-share ${REFILL_SHARES:-16} --prefill ${PREFILL_MODES:-eager} --looks ${LOOKS:-lagged} \
                      $DECODE --json "$OUT/partial.json" ;;
+        grpo256hosted) part grpo256hosted ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
+                     --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
+                     --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
+                     --hosted-rollout ${HOSTED_CAP:+--max-gpu-memory-gib $HOSTED_CAP} \
+                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
+                     --json "$OUT/grpo256_hosted.json" ;;
         grpo256partial) part grpo256partial ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
                      --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
                      --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \

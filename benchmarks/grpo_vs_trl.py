@@ -180,7 +180,7 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
             seconds.append(record.seconds)
             step_ends.append(time.time())
             tokens.append(record.tokens)
-            rows.append(round(record.tokens / record.response_length) if record.response_length else 0)
+            rows.append(record.rows)
             phases.append(record.phases)
             staleness.append(record.staleness)   # partial rollouts trade it for shorter rollouts
             print(f"dask-rl step {record.step}: {record.seconds:.2f} s, {record.tokens} tokens in {rows[-1]} rows, "

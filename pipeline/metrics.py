@@ -53,6 +53,7 @@ class StepRecord:
     evaluation: dict[str, float] = field(default_factory=dict)  # "eval/..." figures finished during the step
     staleness_max: int = 0            # the oldest row's (max_staleness bounds it)
     carried_rows: int = 0             # train.partial_rollouts: unfinished rows the next step continues
+    rows: int = 0                     # samples trained on (response_length is their mean length)
 
     def figures(self) -> dict[str, float]:
         """The step's numbers, flat: a line of metrics.jsonl, a TensorBoard scalar each."""
@@ -60,6 +61,7 @@ class StepRecord:
                 "kl": self.kl_mean, "response_length": self.response_length, "tokens": self.tokens,
                 "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
                 "staleness": self.staleness, "staleness_max": self.staleness_max, "carried_rows": self.carried_rows,
+                "rows": self.rows,
                 "clipped_fraction": self.clipped_fraction, "dropped_samples": self.dropped_samples,
                 "oom_backoffs": self.oom_backoffs, "uninformative_groups": self.uninformative_groups,
                 "extra_draws": self.extra_draws, **self.losses,

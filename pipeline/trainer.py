@@ -222,7 +222,7 @@ class HybridTrainer:
         ages = (self.version - 1 - rollout_data.born).tolist() or [0]
         record = StepRecord(step=self.first_step + len(self.history), policy_version=self.version,
                             reward_mean=stats["reward_mean"], kl_mean=stats["kl_mean"], response_length=stats["response_length"],
-                            tokens=stats["tokens"], seconds=time.perf_counter() - start,
+                            tokens=stats["tokens"], rows=len(experience), seconds=time.perf_counter() - start,
                             staleness=sum(ages) / len(ages), staleness_max=max(ages),
                             carried_rows=len(self.batches.carried_out(batch)) if tc.partial_rollouts else 0,
                             losses=losses, phases=timer.seconds,

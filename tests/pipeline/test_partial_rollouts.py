@@ -391,7 +391,7 @@ def test_partial_rollouts_carry_rows_within_the_staleness_bound_and_resume_exact
     assert any(r.carried_rows for r in straight) and any(r.staleness_max == 1 for r in straight)
     assert all(r.staleness <= 1 for r in straight)
     # Each step trains on prompts_per_step groups of 4 (here no group had to go early).
-    assert [round(r.tokens / r.response_length) for r in straight] == [16] * 4
+    assert [r.rows for r in straight] == [16] * 4
     saved = json.loads((tmp_path / "a" / "checkpoints" / "step-000002" / "trainer.json").read_text())
     assert len(saved["carried_rows"]) == straight[1].carried_rows > 0
     # Resumed from step 2, the run continues the carried rows exactly as the straight run did.
@@ -448,7 +448,7 @@ def test_with_max_staleness_2_the_next_partial_batch_generates_during_the_update
     assert [r.policy_version for r in again] == [3, 4]
     assert all(r.staleness_max <= 2 for r in again)
     assert again[0].staleness_max >= 1   # rows born before the save (v2): the checkpoint's carry went on
-    assert [round(r.tokens / r.response_length) for r in again] == [16, 16]
+    assert [r.rows for r in again] == [16, 16]
 
 
 def _rows_continued(dask_worker=None) -> int:
@@ -488,7 +488,7 @@ def test_a_request_of_many_groups_trains_prompts_per_step_groups_a_step_on_avera
     with HybridTrainer(tiny_model, digit_fraction, _cuda_graph(shared_config), prompts=prompts, cluster=shared_cluster,
                        output_dir=str(tmp_path), steps=6, **{**PARTIAL, "partial_request_groups": 4}) as trainer:
         records = trainer.train()
-    groups = [round(r.tokens / r.response_length) // 4 for r in records]   # groups of 4 samples
+    groups = [r.rows // 4 for r in records]   # groups of 4 samples
     # The first request draws 4 x 4 groups, each later one the 4 a step trains: every group
     # drawn is trained once or still carried at the end.
     assert sum(groups) + records[-1].carried_rows // 4 == 4 * 4 + 5 * 4
