@@ -198,6 +198,14 @@ def test_the_quickstart_run_file():
     assert Path(run.inputs["prompts"]).is_absolute()
 
 
+def test_the_hosted_example_places_the_rollout_in_the_actors_process():
+    run = load_run_file(EXAMPLES / "hosted_cpu.yaml")
+    rollout = run.resources.role("rollout")
+    assert (rollout.hosted_by, rollout.strategy, rollout.device_type, rollout.workers) == ("actor", "hf", "cpu", 1)
+    assert run.resources.hosted_roles("actor") == ("rollout",)
+    assert (run.train.algorithm, run.train.kl_coef) == ("grpo", 0.0)
+
+
 def test_prompts_resolve_relative_to_the_run_file_from_any_directory(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "p.jsonl").write_text('{"prompt": "hi"}\n')
