@@ -43,7 +43,9 @@ def test_ppo_steps_tag_every_task_with_its_role_and_advance_the_version(shared_c
                             cluster=shared_cluster, steps=2, **SMALL)
     records = trainer.train()
     assert [r.policy_version for r in records] == [1, 2]
+    assert [r.rows for r in records] == [8, 8]   # prompts_per_step 8, one sample each
     assert all(r.tokens > 0 and 0.0 <= r.reward_mean <= 1.0 for r in records)
+    assert all(r.response_length == pytest.approx(r.tokens / r.rows) for r in records)
     assert {"policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "clip_frac"} <= set(records[-1].losses)
     # Every task that ran carries exactly its role's resource, and its key names the role.
     restrictions = shared_cluster.client.run_on_scheduler(_logged_restrictions)
