@@ -139,9 +139,10 @@ def sharing_twin(model: nn.Module) -> nn.Module:
     with torch.device("meta"):   # built without memory; every tensor is replaced below
         twin = type(model)(copy.deepcopy(model.config))
     pairs = list(zip(twin.named_modules(), model.named_modules()))
-    if len(pairs) != len(list(model.modules())) or any(a != b for (a, _), (b, _) in pairs):
+    if [name for name, _ in twin.named_modules()] != [name for name, _ in model.named_modules()]:
         raise ValueError(f"{type(model).__name__}: a module built from its config differs from the loaded one, so "
-                         f"its tensors cannot be shared")
+                         f"a rollout cannot share its tensors. Fix: give the rollout workers of its own (remove "
+                         f"rollout.hosted_by)")
     for (_, mine), (_, theirs) in pairs:
         mine._parameters.update(theirs._parameters)
         mine._buffers.update(theirs._buffers)

@@ -90,7 +90,8 @@ class Fleet(RankKeeper):
                                               worker_imports=WORKER_IMPORTS)
         self.client = self.cluster.client
         if hosted and cluster is not None:
-            apart = [w["name"] for w in self.cluster.workers_of("rollout") if not w in self.cluster.workers_of(hosted)]
+            hosts = self.cluster.workers_of(hosted)
+            apart = [w["name"] for w in self.cluster.workers_of("rollout") if w not in hosts]
             if apart:
                 raise ValueError(f"rollout.hosted_by: {hosted}: the cluster given has rollout workers of their own "
                                  f"({', '.join(map(str, apart))}). Fix: pass a cluster started from this placement "
