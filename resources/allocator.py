@@ -120,9 +120,24 @@ class MicroBatchAllocator:
         """The next size after an out-of-memory error at `rows`."""
         if rows <= 1:
             raise OutOfMemoryAtOneRow("out of memory with a micro-batch of one row: the model, its optimizer "
-                                      "state and one sequence do not fit this device; shorten max_new_tokens "
-                                      "or prompts, use fsdp over more GPUs, or a smaller model")
+                                      f"state and one sequence do not fit this device{capped_at()}; shorten "
+                                      "max_new_tokens or prompts, use fsdp over more GPUs, or a smaller model")
         return rows // 2
+
+
+def capped_at() -> str:
+    """", under this process's cap of N GiB (...)" where a cap (a role's max_gpu_memory_gib)
+    holds this process below its GPU, else "": an out-of-memory error's likeliest fix then."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return ""
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(torch.cuda.current_device())
+    if fraction >= 1.0:
+        return ""
+    cap = fraction * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return (f", under this process's cap of {cap / 2**30:.1f} GiB (raise the role's max_gpu_memory_gib; a "
+            f"rollout hosted by the actor keeps its KV cache within the actor's)")
 
 
 def token_budget(free_bytes: int, bytes_per_token: float, headroom: float) -> int:
