@@ -146,9 +146,10 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     if args.driver_threads:   # the driver's own torch ops (joining shards, advantages): A/B its thread pool
         torch.set_num_threads(args.driver_threads)
     gpu = {"device_type": "cuda", "device_ids": [0]}
-    rollout = {**gpu, "strategy": "cuda_graph", "cuda_graph_args": engine_options(args)}
+    slots = {"max_batch_size": args.max_slots} if args.max_slots else {}
+    rollout = {**gpu, "strategy": "cuda_graph", "cuda_graph_args": {**engine_options(args), **slots}}
     if args.hosted_rollout:   # in the actor's process, on its tensors (a hosted engine never fuses)
-        options = {k: v for k, v in engine_options(args).items() if k != "fuse_projections"}
+        options = {**{k: v for k, v in engine_options(args).items() if k != "fuse_projections"}, **slots}
         rollout = {"hosted_by": "actor", "strategy": "cuda_graph", **({"cuda_graph_args": options} if options else {})}
     cap = {"max_gpu_memory_gib": args.max_gpu_memory_gib} if args.max_gpu_memory_gib else {}
     config = load_resource_config({
@@ -398,6 +399,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hosted-rollout", action="store_true",
                         help="dask-rl's rollout hosted by the actor (rollout: {hosted_by: actor}): one process, "
                              "one copy of the weights")
+    parser.add_argument("--max-slots", type=int, default=0,
+                        help="the rollout engine's cuda_graph_args.max_batch_size (decode slots at most)")
     parser.add_argument("--max-gpu-memory-gib", type=float, default=None, metavar="GIB",
                         help="the actor's max_gpu_memory_gib (with --hosted-rollout: the rollout's too)")
     parser.add_argument("--partial-rollouts", action="store_true",

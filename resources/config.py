@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CUDA_GRAPH_ARGS", "HOSTS", "ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig",
+__all__ = ["CUDA_GRAPH_ARGS", "CUDA_GRAPH_MAX_BATCH", "HOSTS", "ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig",
            "ResourceConfigError", "RoleSpec", "shorten"]
 
 ROLES = ("actor", "critic", "reference", "reward", "rollout")
@@ -34,6 +34,9 @@ STRATEGIES = {
 # layer's projections into fewer matrix products, and whether prefill passes run compiled.
 CUDA_GRAPH_ARGS = {"decode_attention": ("kernel", "sdpa"), "fuse_projections": (True, False),
                    "compile_prefill": (False, True)}
+# Its one number: decode slots at most (rounded up to a power of two; free memory may hold
+# fewer). Fewer slots keep a smaller KV cache, for one that shares a process or a cap.
+CUDA_GRAPH_MAX_BATCH = ("max_batch_size", 256, 4096)   # key, default, largest
 DEVICE_TYPES = ("cuda", "cpu")
 COMM_BACKENDS = ("nccl", "gloo", "auto")
 # How roles placed on one GPU share it: the NVIDIA driver's time slices (one process's kernels at a

@@ -19,7 +19,7 @@ from typing import Any
 
 from resources import devices, vllm_keys
 from resources.config import (
-    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, DEVICE_TYPES, GPU_SHARING, HOSTED_ROLE_KEYS, HOSTED_STRATEGIES,
+    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, CUDA_GRAPH_MAX_BATCH, DEVICE_TYPES, GPU_SHARING, HOSTED_ROLE_KEYS, HOSTED_STRATEGIES,
     HOSTS, REQUIRED_ROLES, ROLE_KEYS, ROLES,
     STRATEGIES, DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError,
     RoleSpec, ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
@@ -412,11 +412,18 @@ class _Parser:
                              "remove cuda_graph_args, or set strategy: cuda_graph")
         if not isinstance(args, Mapping):
             raise self.error(path, args, "not a mapping of the cuda_graph engine's options", example)
+        slots_key, slots_default, slots_most = CUDA_GRAPH_MAX_BATCH
+        options = [*CUDA_GRAPH_ARGS, slots_key]
         for key, value in args.items():
+            if key == slots_key:
+                if not (_is_int(value) and 1 <= value <= slots_most):
+                    raise self.error(f"{path}.{key}", value, f"expected a number of decode slots from 1 to {slots_most}",
+                                     f"use e.g. {key}: 128 (the default is {slots_default})")
+                continue
             if key not in CUDA_GRAPH_ARGS:
                 raise self.error(f"{path}.{key}", _MISSING,
-                                 f"not an option of the cuda_graph engine{_did_you_mean(key, CUDA_GRAPH_ARGS)}",
-                                 f"use {' or '.join(CUDA_GRAPH_ARGS)}")
+                                 f"not an option of the cuda_graph engine{_did_you_mean(key, options)}",
+                                 f"use {' or '.join(options)}")
             default, other = (_show(v) for v in CUDA_GRAPH_ARGS[key])
             if type(value) is not type(CUDA_GRAPH_ARGS[key][0]) or value not in CUDA_GRAPH_ARGS[key]:
                 raise self.error(f"{path}.{key}", value, f"not {default} or {other}",

@@ -294,7 +294,7 @@ BAD_FILES = {
     "cuda graph args misspelt": (cuda_graph_rollout({"decode_atention": "sdpa"}),
                                  ["rollout.cuda_graph_args.decode_atention: not an option of the cuda_graph engine "
                                   "(did you mean 'decode_attention'?)",
-                                  "Fix: use decode_attention or fuse_projections or compile_prefill."]),
+                                  "Fix: use decode_attention or fuse_projections or compile_prefill or max_batch_size."]),
     "cuda graph attention": (cuda_graph_rollout({"decode_attention": "flash"}),
                              ["rollout.cuda_graph_args.decode_attention: 'flash': not 'kernel' or 'sdpa'",
                               "Fix: use decode_attention: 'kernel' (the default) or 'sdpa'."]),

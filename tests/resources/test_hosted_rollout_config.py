@@ -116,3 +116,15 @@ def test_the_role_host_carries_the_cap_to_the_worker():
 
     arrived = pickle.loads(pickle.dumps(RoleHost("actor", dict, gpu_memory_gib=9.0)))
     assert arrived.gpu_memory_gib == 9.0 and arrived._build(None) == {}   # no GPU here: nothing capped
+
+
+def test_the_engine_s_decode_slots_are_a_setting_of_its_own():
+    config = parse({**HOSTED, "rollout": {"hosted_by": "actor", "cuda_graph_args": {"max_batch_size": 64}}})
+    assert config.role("rollout").engine_kwargs == {"max_batch_size": 64}
+    assert parse(config.to_dict()) == config
+    for bad in (0, 5000, 12.5, True):
+        with pytest.raises(ResourceConfigError, match="decode slots from 1 to 4096") as caught:
+            parse({**HOSTED, "rollout": {"hosted_by": "actor", "cuda_graph_args": {"max_batch_size": bad}}})
+        assert caught.value.path == "rollout.cuda_graph_args.max_batch_size" and "128" in caught.value.fix
+    with pytest.raises(ResourceConfigError, match="did you mean 'max_batch_size'"):
+        parse({**HOSTED, "rollout": {"hosted_by": "actor", "cuda_graph_args": {"max_batch_sise": 64}}})
