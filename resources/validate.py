@@ -19,12 +19,13 @@ from typing import Any
 
 from resources import devices, vllm_keys
 from resources.config import (
-    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, CUDA_GRAPH_MAX_BATCH, DEVICE_TYPES, GPU_SHARING, HOSTED_ROLE_KEYS, HOSTED_STRATEGIES,
-    HOSTS, REQUIRED_ROLES, ROLE_KEYS, ROLES,
+    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, CUDA_GRAPH_MAX_BATCH, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES,
+    ROLE_KEYS, ROLES,
     STRATEGIES, DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError,
     RoleSpec, ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
 )
 from resources.devices import GpuInfo
+from resources.hosted_spec import parse_hosted_role
 from resources.job_queue_spec import parse_job_queue_role
 from resources.vllm_keys import SET_BY_DASK_RL
 from resources.yaml_reader import read_yaml
@@ -244,7 +245,8 @@ class _Parser:
         hosted = {role for role in ROLES if isinstance(data.get(role), Mapping) and "hosted_by" in data[role]}
         parsed = {role: self.role(role, data[role]) for role in ROLES if role in data and role not in hosted}
         for role in sorted(hosted):   # after the roles that host them: they take their devices
-            parsed[role] = self.hosted(role, data[role], parsed)
+            parsed[role] = parse_hosted_role(self, role, data[role], parsed,
+                                             lambda args, strategy, role=role: self.cuda_graph_args(role, args, strategy))
         for role in ("critic", "reference"):
             parsed.setdefault(role, _placed_with_actor(parsed["actor"], role))
         return {role: parsed[role] for role in ROLES}
@@ -284,42 +286,6 @@ class _Parser:
             raise self.error(path, value, f"expected a number of GiB > 0 and at most {MAX_GPU_MEMORY_GIB}",
                              "use e.g. max_gpu_memory_gib: 20, or remove it to let the role use its whole GPU")
         return float(value)
-
-    def hosted(self, role: str, raw: Mapping, parsed: Mapping[str, RoleSpec]) -> RoleSpec:
-        """A role run inside another role's workers (`rollout: {hosted_by: actor}`): on their
-        devices, its engine reading the host's parameters in place."""
-        host, path = raw["hosted_by"], f"{role}.hosted_by"
-        if host != HOSTS.get(role):
-            raise self.error(path, host, "only the rollout can be hosted, and only by the actor",
-                             "write rollout: {hosted_by: actor}, or give the role devices of its own")
-        for key in ("device_type", "device_ids", "workers", "job_queue", "jobs"):
-            if key in raw:
-                raise self.error(f"{role}.{key}", raw[key], f"a {role} hosted by the {host} runs on the {host}'s "
-                                 f"workers and devices", f"remove {key}, or remove hosted_by to give the {role} "
-                                 f"workers of its own")
-        if "max_gpu_memory_gib" in raw:
-            raise self.error(f"{role}.max_gpu_memory_gib", raw["max_gpu_memory_gib"], f"a hosted {role} allocates "
-                             f"in the {host}'s processes, under the {host}'s cap", f"remove it, and set "
-                             f"{host}.max_gpu_memory_gib for both")
-        self.check_keys(raw, HOSTED_ROLE_KEYS, prefix=f"{role}.")
-        spec = parsed[host]   # never on a job queue: the actor's group is rebuilt from local workers
-        if spec.strategy == "fsdp":
-            raise self.error(path, host, f"the {host}'s strategy fsdp shards the weights a hosted {role} reads whole",
-                             f"set {host}.strategy: ddp (or none on one device), or give the {role} devices of "
-                             f"its own")
-        strategy = raw.get("strategy", "cuda_graph" if spec.device_type == "cuda" else "hf")
-        if strategy not in HOSTED_STRATEGIES:
-            raise self.error(f"{role}.strategy", strategy, f"a hosted {role} reads the {host}'s parameters "
-                             f"in place, which only {' and '.join(HOSTED_STRATEGIES)} can",
-                             f"use strategy: {' or '.join(HOSTED_STRATEGIES)}, or remove hosted_by to run "
-                             f"{strategy} on devices of its own")
-        cuda_graph_args = self.cuda_graph_args(role, raw.get("cuda_graph_args", _MISSING), strategy)
-        if dict(cuda_graph_args).get("fuse_projections") is True:
-            raise self.error(f"{role}.cuda_graph_args.fuse_projections", True, "fusing copies each layer's "
-                             f"projections into new tensors, which the {host}'s updates would never reach",
-                             "remove it: a hosted rollout leaves the projections as they are")
-        return RoleSpec(role, spec.device_type, spec.device_ids, spec.workers, strategy,
-                        cuda_graph_args=cuda_graph_args, hosted_by=host)
 
     def device_type(self, role: str, value: Any) -> str:
         if value in DEVICE_TYPES:
