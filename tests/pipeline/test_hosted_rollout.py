@@ -187,3 +187,20 @@ def test_partial_rollouts_carry_rows_in_the_actors_process(tiny_model, prompts):
             records = trainer.train(5)
     assert any(r.carried_rows for r in records) and max(r.staleness_max for r in records) <= 2
     assert any(r.staleness > 0 for r in records)   # carried rows were trained a version later
+
+
+@pytest.mark.slow
+def test_a_hosted_rollout_one_version_behind_stays_within_the_bound(tiny_model, prompts):
+    """max_staleness 1: each batch is submitted before the update it overlaps apart, and in
+    one process may run before or after it. Either way a row is at most one version old and
+    the record names the version the engine sampled from (never an older one)."""
+    config = load_resource_config(HOSTED)
+    with role_cluster(config) as cluster:
+        with HybridTrainer(tiny_model, digit_fraction, config, prompts=prompts, cluster=cluster,
+                           **{**RUN, "max_staleness": 1}) as trainer:
+            records = trainer.train(4)
+            [engine] = cluster.client.run(_engine_reads_the_actors_tensors,
+                                          workers=[w["address"] for w in cluster.workers_of("actor")]).values()
+    assert [r.policy_version for r in records] == [1, 2, 3, 4]
+    assert all(0 <= r.staleness_max <= 1 for r in records) and engine["same_objects"]
+    assert engine["version"] >= 3   # the last batch sampled after update 3 at the earliest
