@@ -36,6 +36,14 @@ part() {  # part NAME SECONDS COMMAND...
         | tee "$OUT/$name.log" | grep -v -E "^\s*$|warn" | tail -${TAIL:-30}
     echo "::: $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
 }
+long_tail_partial() {  # long_tail_partial NAME JSON MORE_FLAGS...: the long tail with partial rollouts against TRL
+    local name=$1 json=$2; shift 2
+    part "$name" ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
+        --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
+        --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} "$@" \
+        --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
+        --json "$OUT/$json"
+}
 if [ -n "${MPS:-}" ]; then   # one CUDA context for every process: kernels of two processes run at once
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/dask-rl-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dask-rl-mps/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -58,17 +66,9 @@ for p in ${PARTS:-tests engine update}; do
                      --long-tail ${LONG_TAIL:-0.004 0.0075} --partial 6 --request-groups ${REQUEST_GROUPS:-3} --max-staleness ${MAX_STALENESS:-2} \
                      --kv ${KV:-prefill keep} --refill-share ${REFILL_SHARES:-16} --prefill ${PREFILL_MODES:-eager} --looks ${LOOKS:-lagged} \
                      $DECODE --json "$OUT/partial.json" ;;
-        grpo256hosted) part grpo256hosted ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
-                     --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
-                     --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
-                     --hosted-rollout ${HOSTED_CAP:+--max-gpu-memory-gib $HOSTED_CAP} \
-                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
-                     --json "$OUT/grpo256_hosted.json" ;;
-        grpo256partial) part grpo256partial ${GRPO_LIMIT:-420} python3 benchmarks/grpo_vs_trl.py --prompts-per-step 32 \
-                     --new-tokens 1024 --end-probability 0.005 --partial-rollouts --max-staleness ${MAX_STALENESS:-2} \
-                     --request-groups ${REQUEST_GROUPS:-3} --dask-steps ${DASK_STEPS:-6} ${KEEP_KV:+--partial-keep-kv} \
-                     --trl-steps ${TRL_STEPS:-3} ${SKIP_TRL:+--skip-trl} ${GRPO_ARGS:-} ${ALLOC_CONF:+--worker-alloc-conf $ALLOC_CONF} \
-                     --json "$OUT/grpo256_partial.json" ;;
+        grpo256hosted) long_tail_partial grpo256hosted grpo256_hosted.json \
+                     --hosted-rollout ${HOSTED_CAP:+--max-gpu-memory-gib $HOSTED_CAP} ;;
+        grpo256partial) long_tail_partial grpo256partial grpo256_partial.json ;;
         prefill) part prefill ${PREFILL_LIMIT:-240} python3 benchmarks/prefill_passes.py --compile ;;
         profile) part profile ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py --slots ${PROFILE_SLOTS:-256 32} $DECODE ${PROFILE_ARGS:-} ;;
         sampler) for s in race inverse; do part sampler_$s ${PROFILE_LIMIT:-150} python3 benchmarks/decode_profile.py \

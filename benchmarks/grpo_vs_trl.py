@@ -140,8 +140,10 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     import torch
 
     from pipeline import HybridTrainer
+    from pipeline.events import role_of
     from pipeline.roles.host import load_times
     from resources import load_resource_config
+    from resources.cluster import live_workers
 
     if args.driver_threads:   # the driver's own torch ops (joining shards, advantages): A/B its thread pool
         torch.set_num_threads(args.driver_threads)
@@ -225,10 +227,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                 print(f"dask-rl: the driver's profile is in {args.driver_profile}", flush=True)
             else:
                 trainer.train(args.dask_steps, on_step=on_step_with_slots)
-            roles: dict[str, str] = {}   # address -> its roles ("actor+rollout" for a hosted rollout)
-            for role in ("actor", "rollout"):
-                for w in trainer.fleet.cluster.workers_of(role):
-                    roles[w["address"]] = "+".join(filter(None, (roles.get(w["address"]), role)))
+            # address -> its roles ("actor+rollout" for a hosted rollout)
+            roles = {address: role_of(w["resources"]) for address, w in live_workers(client).items()}
             torch_memory = {roles.get(address, address): stats for address, stats in
                             client.run(torch_gpu_memory).items() if stats}
             steady_from = step_ends[args.warmup - 1] if 0 < args.warmup <= len(step_ends) else 0.0

@@ -17,8 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CUDA_GRAPH_ARGS", "CUDA_GRAPH_MAX_BATCH", "HOSTS", "ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec", "ResourceConfig",
-           "ResourceConfigError", "RoleSpec", "shorten"]
+__all__ = ["CUDA_GRAPH_ARGS", "CUDA_GRAPH_MAX_BATCH", "HOSTS", "ROLES", "STRATEGIES", "AdaptiveBounds", "JobQueueSpec",
+           "ResourceConfig", "ResourceConfigError", "RoleSpec", "shorten"]
 
 ROLES = ("actor", "critic", "reference", "reward", "rollout")
 REQUIRED_ROLES = ("actor", "reward", "rollout")
