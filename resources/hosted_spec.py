@@ -23,11 +23,11 @@ _PLACEMENT_KEYS = ("device_type", "device_ids", "workers", "job_queue", "jobs")
 
 
 def parse_hosted_role(parser: Any, role: str, raw: Mapping, parsed: Mapping[str, RoleSpec],
-                      cuda_graph_args: Callable[[Any, str], tuple]) -> RoleSpec:
+                      strategy: Callable[[int, str], str]) -> RoleSpec:
     """The RoleSpec of a hosted role section; `parser` is resources.validate's _Parser (its
     .error makes the one ResourceConfigError naming the key, the value and the fix),
-    `parsed` the roles parsed so far (the host among them), `cuda_graph_args(args,
-    strategy)` parses the engine's options as for any rollout."""
+    `parsed` the roles parsed so far (the host among them), `strategy(workers, device_type)`
+    parses the role's strategy as for any role."""
     host, path = raw["hosted_by"], f"{role}.hosted_by"
     if host != HOSTS.get(role):
         raise parser.error(path, host, "only the rollout can be hosted, and only by the actor",
@@ -47,16 +47,16 @@ def parse_hosted_role(parser: Any, role: str, raw: Mapping, parsed: Mapping[str,
         raise parser.error(path, host, f"the {host}'s strategy fsdp shards the weights a hosted {role} reads whole",
                            f"set {host}.strategy: ddp (or none on one device), or give the {role} devices of "
                            f"its own")
-    strategy = raw.get("strategy", "cuda_graph" if spec.device_type == "cuda" else "hf")
-    if strategy not in HOSTED_STRATEGIES:
-        raise parser.error(f"{role}.strategy", strategy, f"a hosted {role} reads the {host}'s parameters "
+    chosen = strategy(spec.workers, spec.device_type)
+    if chosen not in HOSTED_STRATEGIES:
+        raise parser.error(f"{role}.strategy", chosen, f"a hosted {role} reads the {host}'s parameters "
                            f"in place, which only {' and '.join(HOSTED_STRATEGIES)} can",
                            f"use strategy: {' or '.join(HOSTED_STRATEGIES)}, or remove hosted_by to run "
-                           f"{strategy} on devices of its own")
-    engine_args = cuda_graph_args(raw.get("cuda_graph_args"), strategy) if "cuda_graph_args" in raw else ()
+                           f"{chosen} on devices of its own")
+    engine_args = parser.cuda_graph_args(role, raw["cuda_graph_args"], chosen) if "cuda_graph_args" in raw else ()
     if dict(engine_args).get("fuse_projections") is True:
         raise parser.error(f"{role}.cuda_graph_args.fuse_projections", True, "fusing copies each layer's "
                            f"projections into new tensors, which the {host}'s updates would never reach",
                            "remove it: a hosted rollout leaves the projections as they are")
-    return RoleSpec(role, spec.device_type, spec.device_ids, spec.workers, strategy,
+    return RoleSpec(role, spec.device_type, spec.device_ids, spec.workers, chosen,
                     cuda_graph_args=engine_args, hosted_by=host)

@@ -3,37 +3,36 @@ ResourceConfig, or raises the one ResourceConfigError that names the file, the k
 value and the fix. The public entry points live here too: load_resource_config (a path or a
 mapping), parse_resource_config (a mapping) and with_role (a copy with one role changed).
 
-Imports run one way: this module imports resources.config (the types) and
-resources.yaml_reader (the defensive file reader); neither imports it back.
+Imports run one way: this module imports resources.config (the types),
+resources.yaml_reader (the defensive file reader), resources.file_values (a value's checks
+and how it is shown) and the parsers of the sections with rules of their own
+(engine_args_spec, job_queue_spec, hosted_spec); none imports it back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from resources import devices, vllm_keys
+from resources import devices
 from resources.config import (
-    _TRAINED_ROLES, COMM_BACKENDS, CUDA_GRAPH_ARGS, CUDA_GRAPH_MAX_BATCH, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES,
-    ROLE_KEYS, ROLES,
-    STRATEGIES, DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError,
-    RoleSpec, ECHO_LIMIT, did_you_mean as _did_you_mean, role_dict, shorten,
+    _TRAINED_ROLES, COMM_BACKENDS, DEVICE_TYPES, GPU_SHARING, REQUIRED_ROLES, ROLE_KEYS, ROLES, STRATEGIES,
+    DEFAULT_TIMEOUT_SECONDS, TOP_KEYS, AdaptiveBounds, FrozenMap, ResourceConfig, ResourceConfigError, RoleSpec,
+    did_you_mean, role_dict,
 )
 from resources.devices import GpuInfo
+from resources.engine_args_spec import parse_cuda_graph_args, parse_vllm_args
+from resources.file_values import MISSING, is_int, is_positive_number, show
 from resources.hosted_spec import parse_hosted_role
 from resources.job_queue_spec import parse_job_queue_role
-from resources.vllm_keys import SET_BY_DASK_RL
 from resources.yaml_reader import read_yaml
 
 __all__ = ["MAX_ROLE_WORKERS", "MAX_TIMEOUT_SECONDS", "load_resource_config", "parse_resource_config",
            "with_changes", "with_role"]
-
-_MISSING: Any = object()
 
 # Upper bounds, each far above any real run and below what the code that uses the number takes:
 # - timeout_seconds feeds datetime.timedelta (at most ~8.6e13 s), threading's Event.wait (at
@@ -44,8 +43,6 @@ MAX_TIMEOUT_SECONDS = 10_000_000
 MAX_ROLE_WORKERS = 1024
 # - a role's GPU memory cap, far above any GPU made (it becomes a fraction of the device's memory).
 MAX_GPU_MEMORY_GIB = 1_000_000
-# - vLLM's counts (max_model_len, max_num_seqs, ...) reach its kernels as 32-bit integers.
-MAX_ENGINE_COUNT = 2**31 - 1
 
 
 def load_resource_config(source: str | os.PathLike | Mapping, *,
@@ -83,52 +80,17 @@ def with_role(config: ResourceConfig, spec: RoleSpec, *,
     return _Parser(config.source, gpus, owned=set(config.gpu_ids)).parse(data)
 
 
-_SHOW_ITEMS, _SHOW_DEPTH = 8, 3  # beyond these a value is "...": the message stays one line
-
-
-def _show(value: Any, depth: int = 0) -> str:
-    """A value as the user wrote it in YAML, so the message matches the file; a huge or
-    deeply nested value is cut short, and costs no more to show than a small one."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    if depth > _SHOW_DEPTH:
-        return "..."
-    if isinstance(value, Mapping):
-        pairs = itertools.islice(value.items(), _SHOW_ITEMS)
-        shown = [f"{shorten(str(k))}: {_show(v, depth + 1)}" for k, v in pairs]
-        return shorten("{" + ", ".join(shown + ["..."] * (len(value) > _SHOW_ITEMS)) + "}")
-    if isinstance(value, (list, tuple)):
-        shown = [_show(v, depth + 1) for v in value[:_SHOW_ITEMS]]
-        return shorten("[" + ", ".join(shown + ["..."] * (len(value) > _SHOW_ITEMS)) + "]")
-    if isinstance(value, str):
-        return shorten(repr(value[:ECHO_LIMIT]))  # the repr of a prefix, not of 1 MiB
-    try:
-        return shorten(str(value))
-    except ValueError:  # an int past Python's 4300-digit str() limit
-        return f"<an integer of {value.bit_length()} bits>"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # YAML `true` is no GPU id
-
-
-def _is_positive_number(value: Any) -> bool:
-    # inf is refused too (a timeout of inf is a silent hang), and nan (every comparison
-    # with it is false, so a nan timeout never fires either).
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value) and value > 0
-    except OverflowError:  # an int too large for a float: no sensible number of seconds
-        return False
+def _is_hosted(section: Any) -> bool:
+    """A role section that runs the role in another role's workers (`hosted_by`)."""
+    return isinstance(section, Mapping) and "hosted_by" in section
 
 
 def _is_timeout(value: Any) -> bool:
-    return _is_positive_number(value) and value <= MAX_TIMEOUT_SECONDS
+    return is_positive_number(value) and value <= MAX_TIMEOUT_SECONDS
 
 
 def _is_worker_count(value: Any) -> bool:
-    return _is_int(value) and 1 <= value <= MAX_ROLE_WORKERS
+    return is_int(value) and 1 <= value <= MAX_ROLE_WORKERS
 
 
 def _is_fraction(value: Any) -> bool:
@@ -139,24 +101,6 @@ def _is_fraction(value: Any) -> bool:
         return math.isfinite(value) and 0 <= value < 1
     except OverflowError:
         return False
-# vLLM engine arguments that are a fraction or a count: a bad value would otherwise fail only
-# once the engine starts on a worker, after every other role has loaded its model.
-_ENGINE_FRACTIONS = {"gpu_memory_utilization": "e.g. 0.85"}
-_ENGINE_COUNTS = {"max_model_len": "e.g. 4096", "max_num_seqs": "e.g. 256", "max_num_batched_tokens": "e.g. 8192"}
-
-
-def _bad_engine_number(key: str, value: Any) -> tuple[str, str] | None:
-    """(problem, fix) for a vllm_args value out of its range, else None."""
-    if key in _ENGINE_FRACTIONS and not (_is_positive_number(value) and value <= 1):
-        return "expected a fraction of the GPU's memory in (0, 1]", f"use {_ENGINE_FRACTIONS[key]}"
-    if key in _ENGINE_COUNTS and not (_is_int(value) and 1 <= value <= MAX_ENGINE_COUNT):
-        return (f"expected an integer from 1 to {MAX_ENGINE_COUNT} (vLLM takes it as a 32-bit integer)",
-                f"use {_ENGINE_COUNTS[key]}")
-    if isinstance(value, float) and not math.isfinite(value):
-        return "not a finite number", "use a finite number, or remove the key to take vLLM's default"
-    return None
-
-
 def _example_ids(ids: Sequence[int]) -> list[int]:
     """The list the user probably meant: their ids once each, padded with the next ones."""
     once = list(dict.fromkeys(ids))
@@ -188,7 +132,7 @@ class _Parser:
         self.source, self.gpus, self.owned = source, gpus, owned
 
     def error(self, path: str, value: Any, problem: str, fix: str) -> ResourceConfigError:
-        shown = None if value is _MISSING else _show(value)
+        shown = None if value is MISSING else show(value)
         return ResourceConfigError(self.source, path, shown, problem, fix)
 
     def parse(self, data: Any) -> ResourceConfig:
@@ -222,8 +166,8 @@ class _Parser:
     def check_keys(self, data: Mapping, allowed: Sequence[str], prefix: str) -> None:
         for key in data:
             if key not in allowed:
-                hint = _did_you_mean(key, allowed)
-                raise self.error(f"{prefix}{key}", _MISSING, f"unknown key{hint}",
+                hint = did_you_mean(key, allowed)
+                raise self.error(f"{prefix}{key}", MISSING, f"unknown key{hint}",
                                  f"use one of {', '.join(allowed)}")
 
     def scalar(self, data: Mapping, key: str, default: Any, valid: Callable[[Any], bool],
@@ -240,13 +184,14 @@ class _Parser:
     def roles(self, data: Mapping) -> dict[str, RoleSpec]:
         for role in REQUIRED_ROLES:
             if role not in data:
-                raise self.error(role, _MISSING, "missing: actor, reward and rollout are required",
+                raise self.error(role, MISSING, "missing: actor, reward and rollout are required",
                                  f"add e.g. {role}: {{device_type: cpu, workers: 1}}")
-        hosted = {role for role in ROLES if isinstance(data.get(role), Mapping) and "hosted_by" in data[role]}
+        hosted = {role for role in ROLES if _is_hosted(data.get(role))}
         parsed = {role: self.role(role, data[role]) for role in ROLES if role in data and role not in hosted}
         for role in sorted(hosted):   # after the roles that host them: they take their devices
-            parsed[role] = parse_hosted_role(self, role, data[role], parsed,
-                                             lambda args, strategy, role=role: self.cuda_graph_args(role, args, strategy))
+            parsed[role] = parse_hosted_role(self, role, data[role], parsed, lambda workers, device_type, role=role:
+                                             self.strategy(role, data[role].get("strategy", MISSING), workers,
+                                                           device_type))
         for role in ("critic", "reference"):
             parsed.setdefault(role, _placed_with_actor(parsed["actor"], role))
         return {role: parsed[role] for role in ROLES}
@@ -257,21 +202,21 @@ class _Parser:
                              f"write e.g. {role}: {{device_type: cuda, device_ids: [0]}}")
         if "job_queue" in raw:  # workers are batch jobs: resources/job_queue_spec.py
             return parse_job_queue_role(self, role, raw, lambda workers, device_type: self.strategy(
-                role, raw.get("strategy", _MISSING), workers, device_type))
+                role, raw.get("strategy", MISSING), workers, device_type))
         self.check_keys(raw, ROLE_KEYS, prefix=f"{role}.")
-        device_type = self.device_type(role, raw.get("device_type", _MISSING))
+        device_type = self.device_type(role, raw.get("device_type", MISSING))
         if device_type == "cuda":
-            ids = self.cuda_ids(role, raw.get("device_ids", _MISSING))
+            ids = self.cuda_ids(role, raw.get("device_ids", MISSING))
             workers = raw.get("workers", len(ids))
-            if not _is_int(workers) or workers != len(ids):  # one worker process per GPU
+            if not is_int(workers) or workers != len(ids):  # one worker process per GPU
                 raise self.error(f"{role}.workers", workers,
                                  f"a cuda role runs one worker per GPU, so workers is {len(ids)}",
                                  "remove workers, or list one GPU per worker in device_ids")
         else:
             ids, workers = self.cpu_workers(role, raw)
-        strategy = self.strategy(role, raw.get("strategy", _MISSING), workers, device_type)
-        vllm_args = self.vllm_args(role, raw.get("vllm_args", _MISSING), strategy)
-        cuda_graph_args = self.cuda_graph_args(role, raw.get("cuda_graph_args", _MISSING), strategy)
+        strategy = self.strategy(role, raw.get("strategy", MISSING), workers, device_type)
+        vllm_args = self.vllm_args(role, raw.get("vllm_args", MISSING), strategy)
+        cuda_graph_args = self.cuda_graph_args(role, raw.get("cuda_graph_args", MISSING), strategy)
         return RoleSpec(role, device_type, ids, workers, strategy, vllm_args, cuda_graph_args=cuda_graph_args,
                         max_gpu_memory_gib=self.gpu_memory_cap(role, raw.get("max_gpu_memory_gib"), device_type))
 
@@ -282,7 +227,7 @@ class _Parser:
         if device_type != "cuda":
             raise self.error(path, value, "a cap on GPU memory for a role on CPU workers",
                              "remove it, or use device_type: cuda")
-        if not (_is_positive_number(value) and value <= MAX_GPU_MEMORY_GIB):
+        if not (is_positive_number(value) and value <= MAX_GPU_MEMORY_GIB):
             raise self.error(path, value, f"expected a number of GiB > 0 and at most {MAX_GPU_MEMORY_GIB}",
                              "use e.g. max_gpu_memory_gib: 20, or remove it to let the role use its whole GPU")
         return float(value)
@@ -291,27 +236,27 @@ class _Parser:
         if value in DEVICE_TYPES:
             return value
         fix = "use cuda" if str(value).lower() in ("gpu", "cuda", "nvidia") else "use cuda or cpu"
-        problem = "missing" if value is _MISSING else "not a device type"
+        problem = "missing" if value is MISSING else "not a device type"
         raise self.error(f"{role}.device_type", value, problem, fix)
 
     def cuda_ids(self, role: str, ids: Any) -> tuple[int, ...]:
         path = f"{role}.device_ids"
-        if ids is _MISSING or ids is None:
-            raise self.error(path, _MISSING, "missing: a cuda role needs the GPUs it runs on",
+        if ids is MISSING or ids is None:
+            raise self.error(path, MISSING, "missing: a cuda role needs the GPUs it runs on",
                              "add e.g. device_ids: [0] (one worker per GPU), or use cpu")
         if not isinstance(ids, (list, tuple)):
             raise self.error(path, ids, "not a list of GPU ids",
-                             f"write a list, e.g. [{_show(ids)}]")
+                             f"write a list, e.g. [{show(ids)}]")
         if not ids:
             raise self.error(path, ids, "no GPUs listed", "list at least one GPU, e.g. [0], "
                              "or use device_type: cpu with workers: N")
         for i in ids:
-            if not _is_int(i) or i < 0:
-                raise self.error(path, ids, f"{_show(i)} is not a GPU id (an integer >= 0)",
+            if not is_int(i) or i < 0:
+                raise self.error(path, ids, f"{show(i)} is not a GPU id (an integer >= 0)",
                                  "use NVML indexes as nvidia-smi shows them, e.g. [0, 1]")
             if ids.count(i) > 1:
                 raise self.error(path, ids, f"GPU {i} is listed twice",
-                                 f"list each GPU once, e.g. {_show(_example_ids(ids))}")
+                                 f"list each GPU once, e.g. {show(_example_ids(ids))}")
         return tuple(ids)
 
     def cpu_workers(self, role: str, raw: Mapping) -> tuple[tuple[int, ...], int]:
@@ -327,10 +272,10 @@ class _Parser:
 
     def strategy(self, role: str, value: Any, workers: int, device_type: str = "cpu") -> str:
         path, options = f"{role}.strategy", STRATEGIES[role]
-        if value is _MISSING:
+        if value is MISSING:
             return _default_strategy(role, workers, device_type)
         if value not in options:
-            raise self.error(path, value, f"not a {role} strategy{_did_you_mean(value, options)}",
+            raise self.error(path, value, f"not a {role} strategy{did_you_mean(value, options)}",
                              f"use one of {', '.join(options)}")
         if value == "none" and workers > 1:
             better = "ddp or fsdp" if role in _TRAINED_ROLES else "data_parallel"
@@ -340,61 +285,10 @@ class _Parser:
         return value
 
     def vllm_args(self, role: str, args: Any, strategy: str) -> tuple[tuple[str, object], ...]:
-        path = f"{role}.vllm_args"
-        if args is _MISSING:
-            return ()
-        if strategy != "vllm":
-            raise self.error(path, args, f"vllm_args only apply to strategy vllm, not {strategy!r}",
-                             "remove vllm_args, or set strategy: vllm")
-        if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
-            raise self.error(path, args, "not a mapping of vLLM engine arguments",
-                             "write e.g. vllm_args: {gpu_memory_utilization: 0.85}")
-        for key in args:  # caught here, not as a TypeError once the engine starts on a worker
-            if key in SET_BY_DASK_RL:
-                raise self.error(f"{path}.{key}", args[key], "set by dask-rl's rollout engine",
-                                 SET_BY_DASK_RL[key])
-            if not vllm_keys.accepts(key):
-                hint = _did_you_mean(key, sorted(vllm_keys.ENGINE_KEYS))
-                raise self.error(f"{path}.{key}", _MISSING, f"not an argument vLLM's engine accepts{hint}",
-                                 "use a field of vllm.engine.arg_utils.EngineArgs (vllm "
-                                 f"{vllm_keys.VLLM_VERSION}: resources/vllm_keys.py lists them), e.g. "
-                                 "max_model_len, gpu_memory_utilization, enforce_eager")
-            problem = _bad_engine_number(key, args[key])
-            if problem:
-                raise self.error(f"{path}.{key}", args[key], *problem)
-        # Each rollout worker owns exactly one GPU, so a tensor-parallel engine cannot start.
-        if args.get("tensor_parallel_size", 1) != 1:
-            raise self.error(f"{path}.tensor_parallel_size", args["tensor_parallel_size"],
-                             "each rollout worker gets one GPU",
-                             "use 1, and list more device_ids to run more engines")
-        return tuple(args.items())
+        return parse_vllm_args(self, role, args, strategy)
 
     def cuda_graph_args(self, role: str, args: Any, strategy: str) -> tuple[tuple[str, object], ...]:
-        path, example = f"{role}.cuda_graph_args", "write e.g. cuda_graph_args: {decode_attention: sdpa}"
-        if args is _MISSING:
-            return ()
-        if strategy != "cuda_graph":
-            raise self.error(path, args, f"cuda_graph_args only apply to strategy cuda_graph, not {strategy!r}",
-                             "remove cuda_graph_args, or set strategy: cuda_graph")
-        if not isinstance(args, Mapping):
-            raise self.error(path, args, "not a mapping of the cuda_graph engine's options", example)
-        slots_key, slots_default, slots_most = CUDA_GRAPH_MAX_BATCH
-        options = [*CUDA_GRAPH_ARGS, slots_key]
-        for key, value in args.items():
-            if key == slots_key:
-                if not (_is_int(value) and 1 <= value <= slots_most):
-                    raise self.error(f"{path}.{key}", value, f"expected a number of decode slots from 1 to {slots_most}",
-                                     f"use e.g. {key}: 128 (the default is {slots_default})")
-                continue
-            if key not in CUDA_GRAPH_ARGS:
-                raise self.error(f"{path}.{key}", _MISSING,
-                                 f"not an option of the cuda_graph engine{_did_you_mean(key, options)}",
-                                 f"use {' or '.join(options)}")
-            default, other = (_show(v) for v in CUDA_GRAPH_ARGS[key])
-            if type(value) is not type(CUDA_GRAPH_ARGS[key][0]) or value not in CUDA_GRAPH_ARGS[key]:
-                raise self.error(f"{path}.{key}", value, f"not {default} or {other}",
-                                 f"use {key}: {default} (the default) or {other}")
-        return tuple(args.items())
+        return parse_cuda_graph_args(self, role, args, strategy)
 
     def adaptive(self, raw: Any, data: Mapping) -> dict[str, AdaptiveBounds]:
         if not isinstance(raw, (Mapping, type(None))):
@@ -405,12 +299,12 @@ class _Parser:
     def bounds(self, role: Any, raw: Any, data: Mapping) -> AdaptiveBounds:
         path, example = f"adaptive.{role}", f"write e.g. {role}: {{min: 1, max: 3}}"
         if role not in ROLES:
-            raise self.error(path, _MISSING, f"not a role{_did_you_mean(role, ROLES)}",
+            raise self.error(path, MISSING, f"not a role{did_you_mean(role, ROLES)}",
                              f"use one of {', '.join(ROLES)}")
         if role not in data:  # a defaulted role lives on the actor's devices: it can't move alone
             raise self.error(path, raw, f"{role} is not in the file (it is placed with the actor)",
                              f"add a {role} section with its own devices, or remove {path}")
-        if isinstance(data[role], Mapping) and "hosted_by" in data[role]:
+        if _is_hosted(data[role]):
             raise self.error(path, raw, f"{role} runs in the {data[role]['hosted_by']}'s workers (hosted_by), "
                              f"so it grows and shrinks with them", f"remove {path}, or give the {role} devices "
                              f"of its own")
@@ -473,7 +367,7 @@ class _Parser:
             for i in spec.device_ids:
                 if i not in have:
                     raise self.error(path, spec.device_ids, f"GPU {i} does not exist; this "
-                                     f"machine has GPUs {_show(have)}",
+                                     f"machine has GPUs {show(have)}",
                                      "use ids from that list (NVML order, as nvidia-smi shows)")
                 cap = spec.max_gpu_memory_gib
                 if cap is not None and sizes[i] and cap * 2**30 > sizes[i]:

@@ -8,6 +8,9 @@ import yaml
 
 import resources.config
 import resources.devices
+import resources.engine_args_spec
+import resources.file_values
+import resources.hosted_spec
 import resources.plan
 import resources.validate
 import resources.yaml_reader
@@ -94,7 +97,8 @@ def test_worker_spec_is_frozen():
 
 
 @pytest.mark.parametrize("module", [resources.config, resources.devices, resources.plan,
-                                    resources.validate, resources.yaml_reader])
+                                    resources.validate, resources.yaml_reader, resources.engine_args_spec,
+                                    resources.file_values, resources.hosted_spec])
 def test_placement_modules_stay_pure(module):
     """No dask, torch or pipeline imports: placement must import on any machine, fast."""
     tree = ast.parse(Path(module.__file__).read_text())
