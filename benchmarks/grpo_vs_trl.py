@@ -211,8 +211,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
                     if stats and "slot_use" in stats:
                         slot_use.append(stats["slot_use"])
                         engine_seconds.append(decode_seconds(stats["decode_steps_at"], stats["step_ms"]))
-                        print(f"  rollout engine, its last request: {engine_seconds[-1]:.2f} s decoding, slot use "
-                              f"{slot_use[-1]:.2f}", flush=True)
+                        print(f"  rollout engine, its last request: {engine_seconds[-1]:.2f} s decoding in "
+                              f"{stats['slots']} slots, slot use {slot_use[-1]:.2f}", flush=True)
 
             if args.driver_profile:   # where the driver's own thread spends a step (waits show as lock acquires)
                 import cProfile

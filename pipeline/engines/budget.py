@@ -11,7 +11,11 @@ halves the batch (resources.allocator.in_chunks), so a low estimate costs one re
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
+
+from resources.allocator import free_bytes
 
 # Float32 copies of one row of logits alive during sampling (the scaled logits, the
 # log-sum-exp's temporary of them less their maximum, a padded copy where the vocabulary is
@@ -66,6 +70,17 @@ def prefill_bytes(config, dtype: torch.dtype, prompt_length: int) -> int:
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     return prompt_length * (3 * intermediate + 4 * text.hidden_size) * size \
         + text.num_attention_heads * prompt_length * prompt_length * 4
+
+
+def free_for_generation(device: Any, reserve: Callable[[], int] | None = None) -> int | None:
+    """What a generation batch may plan on: the memory this process can still allocate on
+    `device` (allocator.free_bytes), less `reserve()`: what a role sharing the process
+    needs on top of what it holds now (a hosted rollout's host: its next update). None off
+    CUDA."""
+    free = free_bytes(device)
+    if free is None or reserve is None:
+        return free
+    return max(0, free - reserve())
 
 
 def fitting_rows(free: int | None, per_sequence: int, max_rows: int, headroom: float = HEADROOM) -> int:

@@ -39,7 +39,9 @@ from typing import Callable
 import torch
 
 from pipeline.engines import decode_kernel
-from pipeline.engines.budget import HEADROOM, fitting_slots, held_bytes, power_of_two_below, prefill_bytes
+from pipeline.engines.budget import (
+    HEADROOM, fitting_slots, free_for_generation, held_bytes, power_of_two_below, prefill_bytes,
+)
 from pipeline.engines.continuous import FEWEST_CAPTURED_SLOTS, PREFILL_PASS_TOKENS, SlotRun, bucket_batch
 from pipeline.engines.fused_projections import fuse_projections as fuse_layer_projections
 from pipeline.engines.held_rows import HeldRows
@@ -51,7 +53,7 @@ from pipeline.engines.sampling import sample_tokens
 from pipeline.engines.slots import SlotCache, slot_cache_bytes, use_slot_attention
 from pipeline.records import GenerationRequest, Rollout
 from resources.allocator import (
-    KERNEL_FAILED, LOW_FREE_MEMORY, OUT_OF_MEMORY, MicroBatchAllocator, first_line, free_bytes, release_cached,
+    KERNEL_FAILED, LOW_FREE_MEMORY, OUT_OF_MEMORY, MicroBatchAllocator, first_line, release_cached,
     report,
 )
 from resources.config import CUDA_GRAPH_ARGS
@@ -88,6 +90,9 @@ class CudaGraphEngine:
         decode: token ids -> text (the tokenizer's), for requests with stop strings.
         check_every: decode steps between two looks at the device (default: a GPU's
             continuous.EOS_CHECK_EVERY, every step on a CPU, where looking costs nothing).
+        reserve: bytes another role in this process will allocate beyond what it holds now
+            (a hosted rollout's host: its next update), left out of the memory the slots
+            and KV caches are planned in; read before every request.
     Sampling filters (top-k / top-p / min-p) come with each request. `last_stats` holds the
     last request's decode steps (in all and at each slot count), tokens, slot use and
     milliseconds a decode step at each slot count.
@@ -96,8 +101,10 @@ class CudaGraphEngine:
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, max_batch_size: int = 256,
                  prompt_bucket: int = 64, compile: bool | None = None, decode: Callable | None = None,
                  check_every: int | None = None, fewest_slots: int | None = None,
-                 compile_prefill: bool = False, decode_attention: str = "kernel", fuse_projections: bool = True):
+                 compile_prefill: bool = False, decode_attention: str = "kernel", fuse_projections: bool = True,
+                 reserve: Callable[[], int] | None = None):
         self.model = model.eval()
+        self.reserve = reserve   # bytes a role sharing this process needs beyond what it holds
         use_slot_attention(model)
         if decode_attention not in CUDA_GRAPH_ARGS["decode_attention"]:
             raise ValueError(f"decode_attention: {decode_attention!r} is not one of "
@@ -170,7 +177,7 @@ class CudaGraphEngine:
         now with this engine's own KV caches counted as free (they make room)."""
         dtype = next(self.model.parameters()).dtype
         per_sequence = held_bytes(self.model.config, dtype, length)
-        free = free_bytes(self.device)
+        free = free_for_generation(self.device, self.reserve)
         wanted = min(self.max_batch_size, bucket_batch(sequences))
         if free is None:
             return wanted
@@ -179,8 +186,9 @@ class CudaGraphEngine:
                                                  prefill_bytes(self.model.config, dtype, prompt_length),
                                                  max(1, PREFILL_PASS_TOKENS // prompt_length), wanted))
         if batch < wanted and batch != self._planned:
+            kept = f" beside {self.reserve() / 2**30:.2f} GiB kept for the update" if self.reserve else ""
             report("generation", wanted, batch, "sequences per batch", LOW_FREE_MEMORY,
-                   f"{(free + held) / 2**30:.2f} GiB free for {per_sequence / 2**20:.1f} MiB a sequence "
+                   f"{(free + held) / 2**30:.2f} GiB free{kept} for {per_sequence / 2**20:.1f} MiB a sequence "
                    f"of {length} tokens")
         elif batch != self._planned and self._planned is not None:
             logger.info("dask-rl: cuda_graph engine: %d sequences per batch again (%.2f GiB free)", batch,
@@ -246,7 +254,7 @@ class CudaGraphEngine:
         for cache in ring:   # smaller ones, each its own allocation or within one: all go
             del self._caches[(cache.slots, length)]
         need = slot_cache_bytes(self.model.config, dtype, slots, length)
-        free = free_bytes(self.device)
+        free = free_for_generation(self.device, self.reserve)
         if free is not None and free < need / HEADROOM and self._caches:
             logger.info("dask-rl: cuda_graph engine: dropping %d KV caches to make room", len(self._caches))
             self._caches.clear()

@@ -8,10 +8,10 @@ from typing import Callable
 import torch
 
 from pipeline.algorithms import logprobs_from_logits
-from pipeline.engines.budget import fitting_rows, sequence_bytes
+from pipeline.engines.budget import fitting_rows, free_for_generation, sequence_bytes
 from pipeline.engines.sampling import filter_logits, filters_active, stop_string_end
 from pipeline.records import GenerationRequest, Rollout
-from resources.allocator import LOW_FREE_MEMORY, free_bytes, in_chunks, report
+from resources.allocator import LOW_FREE_MEMORY, in_chunks, report
 
 
 def repeat_prompts(request: GenerationRequest) -> tuple[list[list[int]], list[int]]:
@@ -180,8 +180,9 @@ class HFEngine:
     """
 
     def __init__(self, model, *, pad_id: int, eos_id: int, device: str, rows: int = 16,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, reserve: Callable[[], int] | None = None):
         self.model = model.eval()
+        self.reserve = reserve   # as CudaGraphEngine's: left out of the memory batches are planned in
         self.pad_id = pad_id
         self.eos_id = eos_id
         self.device = device
@@ -199,7 +200,7 @@ class HFEngine:
         # request), else fewer per call; an out-of-memory error halves the batch again.
         per_sequence = sequence_bytes(self.model.config, next(self.model.parameters()).dtype, ids.shape[1],
                                       ids.shape[1] + request.max_new_tokens, cache_copies=2)
-        batch = fitting_rows(free_bytes(self.device), per_sequence, len(prompts))
+        batch = fitting_rows(free_for_generation(self.device, self.reserve), per_sequence, len(prompts))
         if batch < len(prompts):
             report("generation", len(prompts), batch, "sequences per batch", LOW_FREE_MEMORY,
                    f"{per_sequence / 2**20:.1f} MiB a sequence of {ids.shape[1] + request.max_new_tokens} tokens")

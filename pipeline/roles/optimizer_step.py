@@ -25,6 +25,11 @@ from resources.allocator import (
 
 logger = logging.getLogger("dask_rl")
 
+# The update's micro-batches a rollout hosted by this role leaves room for (in tokens, at
+# the measured peak bytes a token): the KV cache it plans takes the rest, so neither starves
+# the other under a cap (max_gpu_memory_gib); more free memory still gives the update more.
+HOSTED_UPDATE_TOKENS = 8192
+
 
 class MicroBatchedSteps:
     """The optimizer step of training.Trainable, which provides: model, optimizer, device,
@@ -58,6 +63,21 @@ class MicroBatchedSteps:
         else:
             totals = self._rows_step(take, num_rows, loss_fn, rows_per_micro_batch(max_rows), tokens_per_row)
         return self._apply_gradients(totals)
+
+    def update_reserve_bytes(self) -> int:
+        """Bytes the next optimizer step allocates beyond what this process holds between
+        steps: the gradients, AdamW's two state tensors a parameter where its first step has
+        not made them yet, and HOSTED_UPDATE_TOKENS tokens of micro-batch at the measured
+        peak bytes a token (nothing before a first measurement). A rollout hosted by this
+        role plans its decode slots in what is left."""
+        gradients = state = 0
+        for parameter in self.model.parameters():
+            if not parameter.requires_grad:
+                continue
+            nbytes = parameter.numel() * parameter.element_size()
+            gradients += nbytes if parameter.grad is None else 0
+            state += 0 if self.optimizer.state.get(parameter) else 2 * nbytes
+        return gradients + state + int((self.allocator.bytes_per_token or 0) * HOSTED_UPDATE_TOKENS)
 
     def warm_up(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> None:
         """One backward of `loss_fn(model)` in the mode optimizer_step trains in, the

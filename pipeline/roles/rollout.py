@@ -54,7 +54,7 @@ class RolloutRole:
             return CudaGraphEngine(model, device=device, **self._ids, **{**self._engine_args, **fixed})
         from pipeline.engines.hf import HFEngine
 
-        return HFEngine(model, device=device, **self._ids)
+        return HFEngine(model, device=device, **self._ids, **fixed)
 
     def bind_worker(self, worker) -> None:
         """RoleHost hands over the worker this role lives on (where a hosted rollout finds
@@ -71,9 +71,11 @@ class RolloutRole:
                 if self._engine is not None:   # the old engine, its graphs and caches go first:
                     self._engine = self._host_model = None   # generate froze them with the heap,
                     settle_heap()                            # so only a thawing collection frees them
-                # Fusing would copy the projections into tensors the updates never reach.
+                # Fusing would copy the projections into tensors the updates never reach; the
+                # slots are planned in what the host's next update leaves.
                 fixed = {"fuse_projections": False} if self._kind == "cuda_graph" else {}
-                self._engine = self._build_engine(sharing_twin(trainer.model), trainer.device, **fixed)
+                self._engine = self._build_engine(sharing_twin(trainer.model), trainer.device,
+                                                  reserve=trainer.update_reserve_bytes, **fixed)
                 self._host_model, self._slot_counts = trainer.model, set()
         return self._engine
 

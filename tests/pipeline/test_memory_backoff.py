@@ -158,7 +158,7 @@ def test_cuda_graph_batch_follows_the_free_memory_read_before_each_request(model
     width = cuda_graph.bucket_length(max(len(p) for p in request.prompt_ids), engine.prompt_bucket)
     per_sequence = budget.sequence_bytes(model.config, torch.float32, width, width + request.max_new_tokens)
     free = {"bytes": 100 * per_sequence}
-    monkeypatch.setattr(cuda_graph, "free_bytes", lambda device: free["bytes"])
+    monkeypatch.setattr(budget, "free_bytes", lambda device: free["bytes"])
     seen = len(allocator.reported())
     engine.generate(request, 0)
     assert engine.batch == 16 and _new_reports(seen) == []              # room for all 16
@@ -171,6 +171,30 @@ def test_cuda_graph_batch_follows_the_free_memory_read_before_each_request(model
     free["bytes"] = 100 * per_sequence                                  # it left again
     engine.generate(request, 0)
     assert engine.batch == 16 and len(allocator.reported()) == seen + 1
+
+
+def test_cuda_graph_slots_leave_the_reserve_of_a_role_sharing_the_process(model_and_tokenizer, monkeypatch):
+    """A hosted rollout's engine plans in the free memory less what its host's next update
+    needs (`reserve`, read before each request): room for 100 sequences less a reserve of 95
+    plans 0.85 x 5 = 4.25 -> 4 slots; the reserve gone, all 16 again."""
+    model, tokenizer = model_and_tokenizer
+    reserve = {"bytes": 0}
+    engine = CudaGraphEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, device="cpu",
+                             max_batch_size=16, reserve=lambda: reserve["bytes"])
+    request = _request(tokenizer, prompts=4, samples=4)
+    width = cuda_graph.bucket_length(max(len(p) for p in request.prompt_ids), engine.prompt_bucket)
+    per_sequence = budget.sequence_bytes(model.config, torch.float32, width, width + request.max_new_tokens)
+    monkeypatch.setattr(budget, "free_bytes", lambda device: 100 * per_sequence)
+    reserve["bytes"] = 95 * per_sequence
+    rollout = engine.generate(request, 0)
+    assert engine.batch == 4 and len(rollout) == 16
+    _consistent(model, rollout)
+    reserve["bytes"] = 200 * per_sequence                               # more than is free: one slot
+    engine.generate(request, 0)
+    assert engine.batch == 1
+    reserve["bytes"] = 0
+    engine.generate(request, 0)
+    assert engine.batch == 16
 
 
 def test_cuda_graph_plan_counts_one_prefill_pass_not_one_a_slot(model_and_tokenizer, monkeypatch):
@@ -187,7 +211,7 @@ def test_cuda_graph_plan_counts_one_prefill_pass_not_one_a_slot(model_and_tokeni
     for module in (cuda_graph, continuous):
         monkeypatch.setattr(module, "PREFILL_PASS_TOKENS", 2 * width)   # two prompts a pass
     free = int((16 * held + 2 * prefill) / budget.HEADROOM) + 1
-    monkeypatch.setattr(cuda_graph, "free_bytes", lambda device: free)
+    monkeypatch.setattr(budget, "free_bytes", lambda device: free)
     rollout = engine.generate(request, 0)
     assert engine.batch == 16 and engine.last_stats["prefill_passes"] == 2   # each prompt computed once
     assert budget.fitting_rows(free, held + prefill, 16) < 16           # every prompt's prefill counted

@@ -87,6 +87,27 @@ def test_an_out_of_memory_step_is_redone_smaller_with_the_same_result():
     assert stats["tokens"] == reference_stats["tokens"] == 8.0     # the failed attempts left no trace
 
 
+def test_the_room_a_hosted_rollout_leaves_for_the_update_is_counted_by_hand():
+    """update_reserve_bytes: gradients, AdamW's state until its first step makes it, and
+    HOSTED_UPDATE_TOKENS tokens at the measured bytes a token. Linear(4, 3) in float32:
+    15 parameters, 60 bytes; a frozen Linear(2, 2) beside it counts for nothing."""
+    from pipeline.roles.optimizer_step import HOSTED_UPDATE_TOKENS
+
+    def build():
+        frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+        return torch.nn.ModuleDict({"trained": torch.nn.Linear(4, 3), "frozen": frozen})
+
+    trainable = Trainable(build, lr=0.1, strategy="none", device="cpu")
+    assert trainable.update_reserve_bytes() == 60 + 2 * 60            # gradients + exp_avg, exp_avg_sq
+    inputs = torch.randn(4, 4)
+    trainable.optimizer_step(inputs.__getitem__, 4,
+                             lambda model, batch: ((model["trained"](batch) ** 2).sum(), {}),
+                             max_rows=4, tokens_per_row=1)
+    assert trainable.update_reserve_bytes() == 60                      # the state exists now
+    trainable.allocator.observe(peak_bytes=1000, tokens=10)            # 100 bytes a token measured
+    assert trainable.update_reserve_bytes() == 60 + 100 * HOSTED_UPDATE_TOKENS
+
+
 def test_one_row_that_does_not_fit_is_a_clear_error():
     inputs = torch.randn(4, 4)
     with pytest.raises(OutOfMemoryAtOneRow):
