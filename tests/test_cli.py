@@ -191,6 +191,21 @@ def test_quickstart_learns_to_answer_with_digits(tmp_path):
     assert "mean reward of the first" in result.stdout
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not importlib.util.find_spec("torch") or not __import__("torch").cuda.is_available(),
+                    reason="needs an NVIDIA GPU")
+def test_the_hosted_gpu_example_trains_in_one_capped_process(tmp_path):
+    """examples/hosted_gpu.yaml as a user runs it: one GPU process that generates and trains
+    under its 4 GiB cap, rewards rising as on CPU."""
+    result = dask_rl("run", str(ROOT / "examples" / "hosted_gpu.yaml"), "--dashboard-address", ":0",
+                     "--output-dir", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(30))
+    rewards = [r["reward"] for r in records]
+    assert sum(rewards[-8:]) / 8 >= sum(rewards[:8]) / 8 + 0.2, rewards
+
+
 def test_the_readme_python_block_is_examples_python_api_py():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## In Python\n\n```python\n", 1)[1].split("```\n", 1)[0]

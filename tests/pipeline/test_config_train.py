@@ -206,6 +206,23 @@ def test_the_hosted_example_places_the_rollout_in_the_actors_process():
     assert (run.train.algorithm, run.train.kl_coef) == ("grpo", 0.0)
 
 
+def test_the_hosted_gpu_example_caps_the_one_process_that_generates_and_trains():
+    """Its resources as an 80 GiB GPU's machine reads them (this one has no GPU)."""
+    from resources.devices import GpuInfo
+    from resources.plan import plan_workers
+    from resources.validate import parse_resource_config
+    from resources.yaml_reader import read_yaml
+
+    gpu = GpuInfo(index=0, name="H100", total_bytes=80 << 30, free_bytes=80 << 30, used_bytes=0,
+                  utilization_pct=0, process_count=0)
+    config = parse_resource_config(read_yaml(EXAMPLES / "hosted_gpu.yaml", "hosted_gpu.yaml"), gpus=[gpu])
+    rollout, actor = config.role("rollout"), config.role("actor")
+    assert (rollout.hosted_by, rollout.strategy, rollout.device_type) == ("actor", "cuda_graph", "cuda")
+    assert (list(actor.device_ids), actor.max_gpu_memory_gib) == ([0], 4)
+    [process] = [worker for worker in plan_workers(config) if worker.role == "actor"]
+    assert process.resources == {"actor": 1, "rollout": 1} and process.env_dict["CUDA_VISIBLE_DEVICES"] == "0"
+
+
 def test_prompts_resolve_relative_to_the_run_file_from_any_directory(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "p.jsonl").write_text('{"prompt": "hi"}\n')
