@@ -34,6 +34,20 @@ def test_a_hosted_rollout_takes_the_actors_devices_and_its_workers_carry_it():
     assert parse({**HOSTED, "gpu_sharing": "time_slice"}).take_turns("rollout", "actor")
 
 
+def test_a_gpu_process_hosting_the_rollout_gets_expandable_segments_unless_the_user_chose(monkeypatch):
+    """No weights leave a hosting process by CUDA IPC, so its allocator maps memory into
+    growing segments; separate rollout and actor processes (IPC between them) keep torch's
+    default, and a PYTORCH_CUDA_ALLOC_CONF the user exported is inherited as it is."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    conf = {w.name: w.env_dict.get("PYTORCH_CUDA_ALLOC_CONF") for w in plan_workers(parse(HOSTED))}
+    assert conf == {"actor-0": "expandable_segments:True", "actor-1": "expandable_segments:True",
+                    "critic-0": None, "critic-1": None, "reference-0": None, "reference-1": None, "reward-0": None}
+    apart = {**HOSTED, "rollout": {"device_type": "cuda", "device_ids": [2], "strategy": "cuda_graph"}}
+    assert all("PYTORCH_CUDA_ALLOC_CONF" not in w.env_dict for w in plan_workers(parse(apart)))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert all("PYTORCH_CUDA_ALLOC_CONF" not in w.env_dict for w in plan_workers(parse(HOSTED)))
+
+
 def test_a_hosted_rollout_on_cpu_defaults_to_generate_and_round_trips_through_the_file():
     config = parse({"actor": {"device_type": "cpu"}, "reward": {"device_type": "cpu"},
                     "rollout": {"hosted_by": "actor"}})
