@@ -114,6 +114,12 @@ def role_of(resources: dict) -> str:
     return "+".join(str(name) for name, amount in resources.items() if amount and name in ROLES)
 
 
+def roles_in(label: str) -> list[str]:
+    """The roles a role_of label names, first the worker's own: "actor+rollout" -> ["actor",
+    "rollout"] ("" -> [""])."""
+    return label.split("+")
+
+
 def shorten(text: str, limit: int = TEXT_LIMIT) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 

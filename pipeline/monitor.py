@@ -164,7 +164,7 @@ class RLMonitor(SchedulerPlugin):
                 "gpu_memory_used": used, "gpu_memory_total": total, "memory": ws.memory.process,
                 "processing": len(ws.processing), "status": ws.status.name,
             })
-        first = lambda row: row["role"].split("+")[0]  # noqa: E731 - "actor+rollout" sorts as the actor
+        first = lambda row: events.roles_in(row["role"])[0]  # noqa: E731 - "actor+rollout" sorts as the actor
         return sorted(rows, key=lambda r: (ROLES.index(first(r)) if first(r) in ROLES else 99, r["name"]))
 
 
@@ -266,7 +266,7 @@ class RLCollector:
                                             labels=["kind"]), monitor.event_counts)
         workers = monitor.workers()
         yield _labelled(GaugeMetricFamily(PREFIX + "role_workers", "live workers per role", labels=["role"]),
-                        Counter(role for w in workers for role in w["role"].split("+")))
+                        Counter(role for w in workers for role in events.roles_in(w["role"])))
         gpu = GaugeMetricFamily(PREFIX + "worker_gpu_memory_used_bytes", "GPU memory in use on each role "
                                 "worker's device", labels=["role", "worker", "devices"])
         memory = GaugeMetricFamily(PREFIX + "worker_memory_bytes", "process memory of each role worker",

@@ -132,7 +132,7 @@ def capped_at() -> str:
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return ""
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(torch.cuda.current_device())
+    fraction = cap_fraction(torch.cuda.current_device())
     if fraction >= 1.0:
         return ""
     cap = fraction * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -164,10 +164,17 @@ def free_bytes(device: Any) -> int | None:
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     available = free + torch.cuda.memory_reserved(device) - allocated
-    cap = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-    if cap is not None:
-        available = min(available, int(cap(device) * total) - allocated)
-    return max(0, available)
+    return max(0, min(available, int(cap_fraction(device) * total) - allocated))
+
+
+def cap_fraction(device: Any) -> float:
+    """The share of `device`'s memory torch may allocate in this process
+    (torch.cuda.set_per_process_memory_fraction, a role's max_gpu_memory_gib); 1.0 without
+    a cap or on a torch before 2.6, which cannot read it."""
+    import torch
+
+    read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if read is None else read(device)
 
 
 def limit_gpu_memory(gib: float, device: Any = 0) -> float | None:
