@@ -36,12 +36,12 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sampling import Sampler  # noqa: E402
 from shapes import (  # noqa: E402
     add_engine_options, engine_options, decode_seconds, end_with_probability, save_qwen2_05b,
     word_prompts,
@@ -59,7 +59,7 @@ def even_words(prompt: str, response: str) -> float:
     return sum(w[-1:] in "02468" for w in words) / max(1, len(words))
 
 
-class GpuMemory:
+class GpuMemory(Sampler):
     """Peak of the summed per-process GPU memory (NVML) on one GPU, sampled every 50 ms; also
     the device's used memory above what it was at the start (`device_peak`), which counts
     what per-process figures may miss (an MPS server holds its clients' contexts)."""
@@ -67,14 +67,14 @@ class GpuMemory:
     def __init__(self, index: int = 0):
         import pynvml
 
+        super().__init__(0.05)
         pynvml.nvmlInit()
         self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-        self.peak, self._stop = 0, threading.Event()
+        self.peak = 0
         self.at_peak: dict[int, int] = {}       # pid -> bytes when the sum peaked
         self.process_peaks: dict[int, int] = {}  # pid -> its own peak
         self._device_start = self._device_used()
         self.device_peak = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def used(self) -> dict[int, int]:
         return {p.pid: p.usedGpuMemory or 0 for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)}
@@ -82,22 +82,13 @@ class GpuMemory:
     def _device_used(self) -> int:
         return self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.device_peak = max(self.device_peak, self._device_used() - self._device_start)
-            used = self.used()
-            for pid, nbytes in used.items():
-                self.process_peaks[pid] = max(nbytes, self.process_peaks.get(pid, 0))
-            if sum(used.values()) > self.peak:
-                self.peak, self.at_peak = sum(used.values()), used
-
-    def __enter__(self) -> GpuMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        self.device_peak = max(self.device_peak, self._device_used() - self._device_start)
+        used = self.used()
+        for pid, nbytes in used.items():
+            self.process_peaks[pid] = max(nbytes, self.process_peaks.get(pid, 0))
+        if sum(used.values()) > self.peak:
+            self.peak, self.at_peak = sum(used.values()), used
 
 
 def steady(seconds: list[float], tokens: list[int], warmup: int) -> dict[str, float]:

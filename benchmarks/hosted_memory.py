@@ -16,12 +16,14 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sampling import Sampler  # noqa: E402
 
 from pipeline import HybridTrainer  # noqa: E402
 from pipeline.models import create_tiny_model  # noqa: E402
@@ -35,31 +37,21 @@ LAYOUTS = {
 }
 
 
-class Peaks:
+class Peaks(Sampler):
     """Samples the unique memory of some processes and the bytes of the weight snapshots
     published under a directory."""
 
     def __init__(self, pids: list[int], directory: str):
+        super().__init__(0.2)
         self.processes = [psutil.Process(pid) for pid in pids]
         self.directory = Path(directory)
         self.memory = self.files = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def _watch(self) -> None:
-        while not self._stop.wait(0.2):
-            self.memory = max(self.memory, sum(p.memory_full_info().uss for p in self.processes))
-            if self.directory.is_dir():
-                # The published versions (the recovery states beside them are written either way).
-                self.files = max(self.files, sum(f.stat().st_size for f in self.directory.glob("policy-v*")))
-
-    def __enter__(self) -> Peaks:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        self.memory = max(self.memory, sum(p.memory_full_info().uss for p in self.processes))
+        if self.directory.is_dir():
+            # The published versions (the recovery states beside them are written either way).
+            self.files = max(self.files, sum(f.stat().st_size for f in self.directory.glob("policy-v*")))
 
 
 def run(placement: str, model_dir: str, args) -> dict:
