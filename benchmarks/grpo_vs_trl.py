@@ -248,7 +248,8 @@ def run_dask_rl(model_dir: str, prompts: list[str], args, micro_batch) -> dict[s
     for role, stats in sorted(torch_memory.items()):
         print(f"dask-rl {role}: torch peak allocated {stats['max_allocated'] / 2**30:.2f} GiB, peak reserved "
               f"{stats['max_reserved'] / 2**30:.2f} GiB (since the update's last micro-batch reset them); "
-              f"allocator retries {stats['alloc_retries']}, out-of-memory errors {stats['ooms']}, graphs "
+              f"allocator retries {stats['alloc_retries']}, device allocations {stats['device_allocs']} and frees "
+              f"{stats['device_frees']}, out-of-memory errors {stats['ooms']}, graphs "
               f"compiled {stats['compiled_graphs']} (whole run); "
               f"NVML process peak {memory.process_peaks.get(stats['pid'], 0) / 2**30:.2f} GiB, at the summed peak "
               f"{memory.at_peak.get(stats['pid'], 0) / 2**30:.2f} GiB", flush=True)
@@ -290,8 +291,9 @@ def torch_gpu_memory() -> dict | None:
     """This worker's torch allocator figures, if it used the GPU. The peaks are since the
     last reset_peak_memory_stats (a trainable role resets them for each micro-batch it
     measures); the retries (an allocation that freed the cache and tried again: a process at
-    its cap or the device full), out-of-memory errors and graphs Dynamo compiled count the
-    whole run."""
+    its cap or the device full), the allocator's calls to the driver for memory and back
+    (many: it is freeing and taking memory as it goes), out-of-memory errors and graphs Dynamo
+    compiled count the whole run."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -302,6 +304,7 @@ def torch_gpu_memory() -> dict | None:
     return {"pid": os.getpid(), "max_allocated": torch.cuda.max_memory_allocated(),
             "max_reserved": torch.cuda.max_memory_reserved(), "reserved": torch.cuda.memory_reserved(),
             "alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0),
+            "device_allocs": stats.get("num_device_alloc", 0), "device_frees": stats.get("num_device_free", 0),
             "compiled_graphs": counters["stats"]["unique_graphs"]}
 
 
