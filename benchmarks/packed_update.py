@@ -31,6 +31,10 @@ every row its own); `--max-response 256 --mean-response 1e9` makes every respons
 --profile runs the auto packed step once more under torch.profiler and prints the operators
 that took the most device time, and the host operators the GPU sat idle waiting on.
 
+--max-gpu-memory-gib G caps the process's torch allocations at G GiB, as a role's
+max_gpu_memory_gib does; the table then also says how often the allocator freed its whole
+cache to retry an allocation over the cap, and how often it asked the driver for memory.
+
 Each is run three times (the first step warms kernels up and, for the budget, measures bytes
 per token; the second can still compile blocks again for shapes the first did not meet, and
 its seconds are printed apart); the third is reported: seconds, tokens computed / real
@@ -60,6 +64,7 @@ from pipeline.records import Experience  # noqa: E402
 from pipeline.roles import forward  # noqa: E402
 from pipeline.roles.actor import ActorRole, PolicyStep  # noqa: E402
 from pipeline.roles.training import Trainable  # noqa: E402
+from resources.allocator import limit_gpu_memory  # noqa: E402
 
 
 def experience(rows: int, prompt: int, response: int, mean: float, vocab: int, seed: int,
@@ -95,12 +100,18 @@ def run(trainable: Trainable, batch: Experience, micro_batch_size, pack: bool | 
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats()
     start = time.perf_counter()
     stats = trainable.optimizer_step(lambda rows: (batch.select(rows), None), len(batch), loss,
                                      max_rows=micro_batch_size, tokens_per_row=batch.input_ids.shape[1],
                                      row_tokens=computed_tokens(batch, pack))
     torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - start, "computed_tokens": sum(computed),
+    seconds, after = time.perf_counter() - start, torch.cuda.memory_stats()
+    # An allocation over the cap (--max-gpu-memory-gib) first frees torch's whole cache and
+    # tries again: many retries and driver allocations mean the allocator works at the cap.
+    return {"seconds": seconds, "computed_tokens": sum(computed),
+            "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
+            "device_allocs": after.get("num_device_alloc", 0) - before.get("num_device_alloc", 0),
             "grad_norm": stats["grad_norm"], "policy_loss": stats["policy_loss"], "entropy_sum": stats["entropy_sum"],
             "real_tokens": int(batch.attention_mask.sum()), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
@@ -147,10 +158,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile", action="store_true",
                         help="profile one step of the packed way (and of the compile_model ways, if run)")
     parser.add_argument("--only", nargs="*", help="run only the ways whose name starts with one of these")
+    parser.add_argument("--max-gpu-memory-gib", type=float,
+                        help="cap this process's torch allocations as a role's max_gpu_memory_gib does")
     parser.add_argument("--json", help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/packed_update.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if args.max_gpu_memory_gib:
+        limit_gpu_memory(args.max_gpu_memory_gib)
     from transformers import Qwen2ForCausalLM
 
     config = qwen2_05b_config(args.layers)
@@ -198,12 +213,14 @@ def main(argv=None) -> dict:
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: {args.rows} rows, prompt {args.prompt}, responses geometric mean "
           f"{args.mean_response:g} cut at {args.max_response}, {args.layers} layers, bf16")
+    if args.max_gpu_memory_gib:
+        print(f"torch capped at {args.max_gpu_memory_gib:g} GiB (set_per_process_memory_fraction)")
     print(f"{'':38} {'seconds':>8} {'computed/real':>14} {'peak GiB':>9} {'reserved':>9} {'micro-batches':>14} "
-          f"{'warm-up s':>10} {'second run s':>13}")
+          f"{'warm-up s':>10} {'second run s':>13} {'retries':>8} {'driver allocs':>14}")
     for name, r in results.items():
         print(f"{name:38} {r['seconds']:8.2f} {r['computed_tokens'] / r['real_tokens']:14.2f} {r['peak_gib']:9.1f} "
               f"{r['reserved_gib']:9.1f} {r['micro_batches']:14d} {r['warm_up_seconds']:10.1f} "
-              f"{r['second_seconds']:13.2f}")
+              f"{r['second_seconds']:13.2f} {r['alloc_retries']:8d} {r['device_allocs']:14d}")
     if "padded" in results and "packed" in results:
         print(f"speed-up {results['padded']['seconds'] / results['packed']['seconds']:.2f}x")
     record = {"benchmark": "packed_update", "device": torch.cuda.get_device_name(), **vars(args), **results}
