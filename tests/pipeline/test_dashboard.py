@@ -382,6 +382,15 @@ def test_events_never_raise_into_the_training(shared_cluster):
         {"t": 2.5, "(1, 2)": None, "n": [1, 3]}
 
 
+def test_a_workers_role_label_names_its_roles_and_splits_back_into_them():
+    """role_of joins a worker's roles (an actor hosting the rollout carries both), roles_in
+    splits the label again, its own role first: the RL page's order and role_workers read it."""
+    assert events.role_of({"actor": 1, "rollout": 1, "GPU": 1}) == "actor+rollout"
+    assert events.roles_in("actor+rollout") == ["actor", "rollout"]
+    assert events.roles_in(events.role_of({"reward": 1})) == ["reward"]
+    assert events.roles_in(events.role_of({"GPU": 1})) == [""]   # no role: one empty name
+
+
 def test_decode_samples_decodes_prompt_and_response_without_padding(tiny_model):
     tokenizer = load_tokenizer(tiny_model)
     pad = tokenizer.pad_token_id
